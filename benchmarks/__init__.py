@@ -1,0 +1,1 @@
+"""Reproducible benchmarks, installed as ``ivyplug.benchmarks`` and run by ``ivyplug bench NAME``."""

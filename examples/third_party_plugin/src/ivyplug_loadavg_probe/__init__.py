@@ -1,0 +1,1 @@
+"""A device probe that reads the 1-minute OS load average, shipped as an ivyplug plugin."""

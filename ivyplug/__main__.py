@@ -1,0 +1,5 @@
+import sys
+
+from ivyplug.cli import main
+
+sys.exit(main())

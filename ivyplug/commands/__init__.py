@@ -1,0 +1,1 @@
+"""Subcommands of the ``ivyplug`` console script, one module each."""

@@ -1,0 +1,262 @@
+"""The plugin registry: built-in components first, then the ``ivyplug`` entry points.
+
+Built-ins are registered through the same hooks a third-party package uses. Loading
+is isolated per plugin: one that fails to import or whose hook raises is recorded
+in :attr:`Registry.errors` with the package that shipped it, and the rest load.
+Set ``IVYPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` to skip entry points.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from ivyplug import hookspecs
+from ivyplug.components import KIND_TYPES, KINDS, Component
+
+ENTRY_POINT_GROUP = "ivyplug"
+DISABLE_AUTOLOAD_ENV = "IVYPLUG_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_PROVIDER = "ivyplug"
+
+#: Modules of ivyplug's own plugins, registered in this order.
+BUILTIN_PLUGINS: tuple[str, ...] = ()
+
+_HOOK_FOR_KIND = {
+    "strategy": "ivyplug_strategies",
+    "optimizer": "ivyplug_optimizers",
+    "callback": "ivyplug_callbacks",
+    "probe": "ivyplug_probes",
+}
+
+
+class RegistryError(Exception):
+    """Base class of registry errors."""
+
+
+class UnknownComponentError(RegistryError, KeyError):
+    """A name that no plugin provides (the message lists the available names)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class AmbiguousComponentError(RegistryError, KeyError):
+    """A bare name that matches components of several frameworks."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class DuplicateComponentError(RegistryError):
+    """Two plugins offer the same component name."""
+
+
+class ComponentUnavailableError(RegistryError, ImportError):
+    """A known component whose framework is not installed."""
+
+
+@dataclass(frozen=True)
+class PluginError:
+    """A plugin that could not be loaded or whose hook raised."""
+
+    plugin: str
+    provider: str
+    error: BaseException
+
+    def __str__(self) -> str:
+        return f"plugin {self.plugin!r} from package {self.provider!r} failed: {self.error!r}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered component and where it came from."""
+
+    component: Component
+    provider: str
+    plugin: str
+
+    @property
+    def kind(self) -> str:
+        return self.component.kind
+
+    @property
+    def name(self) -> str:
+        return self.component.full_name
+
+    @property
+    def missing(self) -> list[str]:
+        return self.component.missing_modules()
+
+    @property
+    def available(self) -> bool:
+        return not self.missing
+
+    def install_hint(self) -> str:
+        extra = self.component.install_extra
+        missing = ", ".join(self.missing)
+        if extra:
+            return f"needs {missing}: pip install 'ivyplug[{extra}]'"
+        return f"needs {missing}"
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+
+
+class Registry:
+    """Components by kind and full name; built by :func:`build_registry`."""
+
+    def __init__(self, plugin_manager: pluggy.PluginManager) -> None:
+        self.plugin_manager = plugin_manager
+        self.errors: list[PluginError] = []
+        self._entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
+
+    def add(self, entry: Entry) -> None:
+        """Add one entry; a second provider of the same name is an error naming both."""
+        table = self._entries[entry.kind]
+        key = entry.name.lower()
+        previous = table.get(key)
+        if previous is not None:
+            raise DuplicateComponentError(
+                f"{entry.kind} {entry.name!r} is provided twice: by package {previous.provider!r} "
+                f"(plugin {previous.plugin!r}) and by package {entry.provider!r} (plugin {entry.plugin!r}); "
+                "uninstall one of them"
+            )
+        table[key] = entry
+
+    def names(self, kind: str) -> list[str]:
+        """Sorted full names of every registered component of ``kind``."""
+        _check_kind(kind)
+        return sorted(e.name for e in self._entries[kind].values())
+
+    def entries(self, kind: str | None = None) -> list[Entry]:
+        kinds = KINDS if kind is None else (kind,)
+        for k in kinds:
+            _check_kind(k)
+        return [e for k in kinds for _, e in sorted(self._entries[k].items())]
+
+    def resolve(self, kind: str, name: str) -> Entry:
+        """Find an entry by full name (``torch.lamb``) or by an unambiguous bare name (``lamb``)."""
+        _check_kind(kind)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        table = self._entries[kind]
+        key = name.lower()
+        if key in table:
+            return table[key]
+        matches = [e for e in table.values() if e.component.name.lower() == key]
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            options = ", ".join(sorted(e.name for e in matches))
+            raise AmbiguousComponentError(
+                f"{kind} name {name!r} is ambiguous: it matches {options}; use one of those full names"
+            )
+        available = ", ".join(self.names(kind)) or "(none)"
+        raise UnknownComponentError(f"unknown {kind} {name!r}; available {kind} names: {available}")
+
+    def get(self, kind: str, name: str) -> Any:
+        """Import and return the component object (a class, usually)."""
+        entry = self.resolve(kind, name)
+        if not entry.available:
+            raise ComponentUnavailableError(f"{kind} {entry.name!r} is not available: {entry.install_hint()}")
+        return entry.component.load()
+
+
+def _provider_of(module_or_obj: object) -> str:
+    return getattr(module_or_obj, "__name__", type(module_or_obj).__name__)
+
+
+def _collect(registry: Registry, plugin: object, plugin_name: str, provider: str) -> None:
+    """Call each hook of one plugin in isolation so failures are attributed to it."""
+    collected: list[Entry] = []
+    try:
+        for kind, hook_name in _HOOK_FOR_KIND.items():
+            impl = getattr(plugin, hook_name, None)
+            if impl is None:
+                continue
+            result: Iterable[Component] | None = impl()
+            for component in result or ():
+                expected = KIND_TYPES[kind]
+                if not isinstance(component, expected):
+                    raise TypeError(
+                        f"{hook_name} must yield {expected.__module__}.{expected.__name__} records, got {component!r}"
+                    )
+                collected.append(Entry(component, provider, plugin_name))
+    except Exception as exc:
+        registry.errors.append(PluginError(plugin_name, provider, exc))
+        return
+    for entry in collected:
+        registry.add(entry)
+
+
+def build_registry(autoload: bool | None = None, builtins: Iterable[str] | None = None) -> Registry:
+    """Build a fresh registry (``get_registry()`` caches one per process).
+
+    ``autoload=None`` reads ``IVYPLUG_DISABLE_PLUGIN_AUTOLOAD``; ``builtins`` overrides the
+    built-in plugin modules (for tests).
+    """
+    if autoload is None:
+        autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    registry = Registry(pm)
+
+    loaded: list[tuple[object, str, str]] = []
+    for module_name in BUILTIN_PLUGINS if builtins is None else builtins:
+        module = importlib.import_module(module_name)
+        pm.register(module, name=module_name)
+        loaded.append((module, module_name, BUILTIN_PROVIDER))
+
+    if autoload:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            provider = ep.dist.name if ep.dist is not None else ep.value.split(":")[0]
+            if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+                registry.errors.append(
+                    PluginError(ep.name, provider, RegistryError(f"plugin name {ep.name!r} is already taken"))
+                )
+                continue
+            try:
+                plugin = ep.load()
+                pm.register(plugin, name=ep.name)
+            except Exception as exc:
+                registry.errors.append(PluginError(ep.name, provider, exc))
+                continue
+            loaded.append((plugin, ep.name, provider))
+
+    pm.check_pending()
+    for plugin, plugin_name, provider in loaded:
+        _collect(registry, plugin, plugin_name, provider)
+    for err in registry.errors:
+        warnings.warn(f"ivyplug: {err}", RuntimeWarning, stacklevel=2)
+    return registry
+
+
+_lock = threading.Lock()
+_registry: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, built on first use."""
+    global _registry
+    with _lock:
+        if _registry is None:
+            _registry = build_registry()
+        return _registry
+
+
+def reset_registry() -> None:
+    """Forget the cached registry (the next ``get_registry()`` rebuilds it)."""
+    global _registry
+    with _lock:
+        _registry = None

@@ -1,0 +1,39 @@
+"""``ivyplug bench NAME``: run one benchmark and write machine-readable results.
+
+Benchmarks live in ``benchmarks/`` (installed as ``ivyplug.benchmarks``); each module
+exposes ``DESCRIPTION``, ``run(quick: bool) -> dict`` returning JSON-serialisable results
+(medians, ratios measured side by side, the machine's foreign load) and ``format_table(results) -> str``
+for the human-readable summary printed to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+NAME = "bench"
+HELP = "run a benchmark (medians and side-by-side ratios) and optionally write JSON results"
+
+#: Benchmark name -> module. Add a line when a benchmark lands.
+BENCHMARKS: dict[str, str] = {}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not a measurement)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results here as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCHMARKS[args.name])
+    results = module.run(quick=args.quick)
+    print(module.format_table(results))
+    text = json.dumps(results, indent=2, default=str)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

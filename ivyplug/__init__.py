@@ -20,6 +20,7 @@ __all__ = ["__version__", "get_registry"]
 # so that ``import ivyplug`` never pays for them.
 _LAZY: dict[str, str] = {
     "hookimpl": "ivyplug.hookspecs:hookimpl",
+    "least_loaded": "ivyplug.load.device_choice:least_loaded",
 }
 
 

@@ -1,0 +1,81 @@
+"""Load-aware training, framework-free: probes, a background sampler, and pure decision functions.
+
+Probes (:class:`NvmlProbe`, :class:`TorchAllocatorProbe`, :class:`PsutilProbe`, :class:`ScriptedProbe`)
+return flat readings; :class:`Sampler` polls them off the training thread; the decisions
+(:class:`BatchSizePolicy`, :func:`lr_factor`, :func:`worker_shares`, :func:`plan_epoch`,
+:func:`least_loaded`, :func:`split_batch`) are pure functions of observations that the Lightning and
+Keras callbacks apply. Nothing here imports a framework at import time.
+"""
+
+from __future__ import annotations
+
+from ivyplug.load.batch_plan import EpochPlan, plan_epoch, step_sizes
+from ivyplug.load.batch_policy import BatchSizePolicy, Decision, PolicyState
+from ivyplug.load.device_choice import (
+    DeviceLoad,
+    NoDeviceAvailableError,
+    devices_from_readings,
+    least_loaded,
+    parse_memory,
+    rank_devices,
+)
+from ivyplug.load.lr_scaling import RULES, lr_factor, lr_rule_for, resolve_rule
+from ivyplug.load.nvml_probe import NvmlProbe
+from ivyplug.load.observation import (
+    LoadObservation,
+    combine_observations,
+    observation_from_readings,
+    observation_from_summary,
+)
+from ivyplug.load.oom import OutOfMemoryRecoveryError, batch_length, is_oom_error, next_split, part_sizes, split_batch
+from ivyplug.load.probe import Probe, Readings, merge_readings
+from ivyplug.load.probes import available_probes, default_probes
+from ivyplug.load.psutil_probe import PsutilProbe
+from ivyplug.load.sampler import Sampler, Stat
+from ivyplug.load.scripted_probe import ScriptedProbe
+from ivyplug.load.shares import gradient_weights, measured_speeds, smooth_speeds, worker_shares
+from ivyplug.load.torch_probe import TorchAllocatorProbe
+
+__all__ = [
+    "RULES",
+    "BatchSizePolicy",
+    "Decision",
+    "DeviceLoad",
+    "EpochPlan",
+    "LoadObservation",
+    "NoDeviceAvailableError",
+    "NvmlProbe",
+    "OutOfMemoryRecoveryError",
+    "PolicyState",
+    "Probe",
+    "PsutilProbe",
+    "Readings",
+    "Sampler",
+    "ScriptedProbe",
+    "Stat",
+    "TorchAllocatorProbe",
+    "available_probes",
+    "batch_length",
+    "combine_observations",
+    "default_probes",
+    "devices_from_readings",
+    "gradient_weights",
+    "is_oom_error",
+    "least_loaded",
+    "lr_factor",
+    "lr_rule_for",
+    "measured_speeds",
+    "merge_readings",
+    "next_split",
+    "observation_from_readings",
+    "observation_from_summary",
+    "parse_memory",
+    "part_sizes",
+    "plan_epoch",
+    "rank_devices",
+    "resolve_rule",
+    "smooth_speeds",
+    "split_batch",
+    "step_sizes",
+    "worker_shares",
+]

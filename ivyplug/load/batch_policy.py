@@ -1,0 +1,137 @@
+"""When to change the global batch size B: a pure function of (B, observation, state).
+
+- Shrink (by ``shrink_factor``) when the peak memory fraction reaches ``memory_high`` or an OOM
+  happened. Shrinking ignores the cooldown: memory pressure is urgent. After an OOM, B never grows
+  back above the size it was lowered to (``ceiling``).
+- Grow (by ``grow_factor``) when mean utilisation is below ``grow_below_utilization`` and peak memory
+  is at most ``memory_low``, once ``cooldown`` decisions have passed since the last change.
+- Between ``memory_low`` and ``memory_high`` nothing moves (hysteresis), and a change smaller than
+  ``min_relative_change`` of B is not worth it (AdaptDL's 5% rule). Bounds are always respected.
+
+The caller decides *when* to call ``decide``: the callbacks call it once per epoch boundary, so the
+cooldown counts epochs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ivyplug.load.observation import LoadObservation
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What the policy remembers between decisions."""
+
+    since_change: int = 1_000_000
+    ceiling: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"since_change": self.since_change, "ceiling": self.ceiling}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PolicyState:
+        return cls(since_change=int(data["since_change"]), ceiling=data.get("ceiling"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one decision: the batch size to use next, why, and the state to carry."""
+
+    batch_size: int
+    changed: bool
+    reason: str
+    state: PolicyState
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class BatchSizePolicy:
+    """Grow/shrink rules with hysteresis, cooldown and bounds; see the module docstring."""
+
+    min_batch_size: int
+    max_batch_size: int
+    grow_factor: float = 2.0
+    shrink_factor: float = 0.5
+    grow_below_utilization: float = 70.0
+    memory_low: float = 0.6
+    memory_high: float = 0.9
+    cooldown: int = 1
+    min_relative_change: float = 0.05
+
+    def __post_init__(self) -> None:
+        _check_int("min_batch_size", self.min_batch_size, 1)
+        _check_int("max_batch_size", self.max_batch_size, 1)
+        if self.max_batch_size < self.min_batch_size:
+            raise ValueError(
+                f"max_batch_size ({self.max_batch_size}) must be >= min_batch_size ({self.min_batch_size})"
+            )
+        _check_float("grow_factor", self.grow_factor, 1.0, 1e6, low_open=True)
+        _check_float("shrink_factor", self.shrink_factor, 0.0, 1.0, low_open=True)
+        if self.shrink_factor >= 1.0:
+            raise ValueError(f"shrink_factor must be in (0, 1), got {self.shrink_factor!r}")
+        _check_float("grow_below_utilization", self.grow_below_utilization, 0.0, 100.0)
+        _check_float("memory_low", self.memory_low, 0.0, 1.0)
+        _check_float("memory_high", self.memory_high, 0.0, 1.0)
+        if self.memory_low >= self.memory_high:
+            raise ValueError(
+                f"memory_low ({self.memory_low}) must be below memory_high ({self.memory_high}): "
+                "the gap between them is the hysteresis band"
+            )
+        _check_int("cooldown", self.cooldown, 0)
+        _check_float("min_relative_change", self.min_relative_change, 0.0, 1.0)
+
+    def clamp(self, batch_size: int, ceiling: int | None = None) -> int:
+        upper = self.max_batch_size if ceiling is None else max(self.min_batch_size, min(self.max_batch_size, ceiling))
+        return max(self.min_batch_size, min(upper, batch_size))
+
+    def decide(self, batch_size: int, observation: LoadObservation, state: PolicyState | None = None) -> Decision:
+        """The batch size for the next epoch given what the last one looked like."""
+        _check_int("batch_size", batch_size, 1)
+        if not isinstance(observation, LoadObservation):
+            raise ValueError(f"observation must be a LoadObservation, got {observation!r}")
+        state = PolicyState() if state is None else state
+        aged = replace(state, since_change=state.since_change + 1)
+        mem = observation.memory_fraction
+        util = observation.utilization
+
+        if observation.oom_count > 0 or (mem is not None and mem >= self.memory_high):
+            target = max(1, math.floor(batch_size * self.shrink_factor))
+            new = self.clamp(target, state.ceiling)
+            ceiling = new if observation.oom_count > 0 else state.ceiling
+            why = f"out of memory ({observation.oom_count}x)" if observation.oom_count else f"memory {mem:.0%}"
+            return self._outcome(batch_size, new, f"shrink: {why}", replace(aged, ceiling=ceiling))
+
+        if aged.since_change <= self.cooldown:
+            return Decision(batch_size, False, f"hold: cooldown ({aged.since_change}/{self.cooldown})", aged)
+        if util is None or mem is None:
+            return Decision(batch_size, False, "hold: utilisation or memory unknown", aged)
+        if util < self.grow_below_utilization and mem <= self.memory_low:
+            target = max(batch_size + 1, math.ceil(batch_size * self.grow_factor))
+            new = self.clamp(target, state.ceiling)
+            return self._outcome(batch_size, new, f"grow: utilisation {util:.0f}%, memory {mem:.0%}", aged)
+        return Decision(batch_size, False, f"hold: utilisation {util:.0f}%, memory {mem:.0%}", aged)
+
+    def _outcome(self, old: int, new: int, reason: str, state: PolicyState) -> Decision:
+        if new == old:
+            return Decision(old, False, f"hold: {reason} but at the bound", state)
+        if abs(new - old) < self.min_relative_change * old:
+            return Decision(old, False, f"hold: {reason} but the change is below {self.min_relative_change:.0%}", state)
+        return Decision(new, True, reason, replace(state, since_change=0))

@@ -1,0 +1,88 @@
+"""The sampler polls on its own thread, stops on request, and summarises a window."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ivyplug.load import Sampler, ScriptedProbe
+from ivyplug.load.sampler import wait_for_samples
+
+
+class ThreadRecorder:
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.threads: set[int] = set()
+        self.closed = False
+
+    def available(self) -> bool:
+        return True
+
+    def read(self) -> dict[str, float]:
+        self.threads.add(threading.get_ident())
+        return {"x": float(len(self.threads))}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Broken(ThreadRecorder):
+    name = "broken"
+
+    def read(self) -> dict[str, float]:
+        raise OSError("device vanished")
+
+
+class Unavailable(ThreadRecorder):
+    name = "off"
+
+    def available(self) -> bool:
+        return False
+
+    def read(self) -> dict[str, float]:
+        raise AssertionError("an unavailable probe must not be read")
+
+
+def test_reads_off_the_training_thread_and_stops() -> None:
+    rec = ThreadRecorder()
+    sampler = Sampler([rec, Unavailable()], interval=0.01)
+    try:
+        wait_for_samples(sampler, 3, timeout=10)
+        assert threading.get_ident() not in rec.threads
+        assert sampler.running and sampler.latest() == {"x": 1.0}
+    finally:
+        sampler.close()
+    assert not sampler.running and rec.closed
+    count = sampler.samples
+    time.sleep(0.05)
+    assert sampler.samples == count
+
+
+def test_default_interval_and_bad_intervals() -> None:
+    s = Sampler([], start=False)
+    assert s.interval == 1.0 and not s.running
+    for bad in (0, -1, float("inf"), "1", True):
+        with pytest.raises(ValueError, match="interval"):
+            Sampler([], interval=bad, start=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Probe"):
+        Sampler([object()], start=False)  # type: ignore[list-item]
+
+
+def test_window_statistics_and_broken_probe(caplog: pytest.LogCaptureFixture) -> None:
+    probe = ScriptedProbe([{"util": 10, "mem": 0.5}, {"util": 30, "mem": 0.9}, {"util": 20, "mem": 0.1}])
+    broken = Broken()
+    s = Sampler([probe, broken], interval=1.0, start=False)
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            s.sample_now()
+    assert len([r for r in caplog.records if "broken" in r.getMessage()]) == 1
+    stats = s.summary()
+    assert stats["util"].mean == pytest.approx(20.0) and stats["util"].count == 3
+    assert stats["mem"].max == 0.9 and stats["mem"].min == 0.1 and stats["mem"].last == 0.1
+    s.reset_window()
+    assert s.summary() == {}
+    assert s.latest() == {"util": 20.0, "mem": 0.1}
+    s.close()

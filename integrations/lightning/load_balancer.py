@@ -1,0 +1,483 @@
+"""``IvyLoadBalancer``: a Lightning callback that adapts the global batch size and per-rank shares to load.
+
+How it works (all decisions at epoch boundaries, agreed by every rank):
+
+- Probes are read on a background thread (``ivyplug.load.Sampler``); metrics ``ivy/...`` are logged
+  every ``log_every_n_steps`` steps and per-rank values gathered at epoch end as ``ivy/rank{r}/...``.
+- A callback has no dataloader hook, and a ``DataLoader`` refuses a new batch sampler, so ``setup``
+  wraps ``trainer.strategy.process_dataloader``: the training loader is rebuilt with a
+  :class:`ShareBatchSampler` (Lightning's ``DistributedSampler`` permutation, split by shares), and
+  ``reload_dataloaders_every_n_epochs`` is set to 1 so each epoch gets the current plan. Iterable data
+  sets, custom samplers and DataLoader subclasses get a warning and monitoring only.
+- At each epoch end every rank reports its own compute time (batch start to its last gradient
+  bucket, i.e. without waiting for others) and load; rank 0 runs the batch-size policy and LB-BSP
+  shares b_i = B·v_i/Σv_j and broadcasts the decision. The learning rate is rescaled on every change
+  of B (``lr_scaling="auto"``: √k for Adam-family/LAMB, k for SGD).
+- Under ``ddp`` a communication hook registered in ``on_fit_start`` multiplies each rank's gradient
+  by b_i/B and all-reduces with SUM (a user's own ``ddp_comm_hook`` is composed, or refused with
+  ``comm_hook="refuse"``). Under ``ivy_ps`` sync the strategy already weights by sample counts.
+- An out-of-memory error in a training step splits the batch into micro-batches and accumulates
+  (:mod:`.oom_recovery`); the policy then lowers B at the next epoch boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from ivyplug.integrations.lightning.oom_recovery import OOMRecovery
+from ivyplug.integrations.lightning.share_sampler import ShareBatchSampler, loader_spec, rebuild_loader, why_unsupported
+from ivyplug.integrations.lightning.weighted_comm_hook import ShareHookState, share_weighted_hook
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from ivyplug.load.batch_policy import BatchSizePolicy, PolicyState
+from ivyplug.load.lr_scaling import check_rule, lr_factor, resolve_rule
+from ivyplug.load.observation import LoadObservation, combine_observations, observation_from_summary
+from ivyplug.load.probe import Probe
+from ivyplug.load.probes import default_probes
+from ivyplug.load.sampler import Sampler
+from ivyplug.load.shares import measured_speeds, smooth_speeds, worker_shares
+
+log = logging.getLogger(__name__)
+
+
+def _is_per_core(key: str) -> bool:
+    return key.startswith("cpu") and key.endswith("_util") and key[3:-5].isdigit()
+
+
+class IvyLoadBalancer(Callback):
+    """Load-aware batch size, per-rank shares, LR rescaling and OOM recovery for Lightning.
+
+    Args:
+        probes: probe instances to sample (default: the registered ``nvml``, ``torch_allocator``,
+            ``psutil`` probes); a zero-argument callable returning them is accepted too, for spawn.
+        interval: seconds between probe reads on the background thread.
+        adapt_batch_size: let the policy change the global batch size B.
+        min_batch_size, max_batch_size: bounds for B (defaults: the world size, and 8 × the initial B).
+        policy: a full :class:`~ivyplug.load.BatchSizePolicy` (overrides the two bounds).
+        balance_shares: split B across ranks by measured throughput (multi-process only).
+        speed_smoothing: weight of the previous speed estimate in [0, 1) (0: last epoch only).
+        lr_scaling: ``"auto"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
+        comm_hook: ``"compose"`` a user's ``ddp_comm_hook`` with the share weighting, or ``"refuse"`` it.
+        oom_recovery: split a batch that runs out of memory into micro-batches.
+        max_oom_splits: most micro-batches one batch may be split into before a clear error.
+        loss_reduction: ``"mean"`` (micro-batch losses are weighted by their size) or ``"sum"``.
+        log_every_n_steps: metric logging period (default: the trainer's ``log_every_n_steps``).
+        seed: permutation seed (default: the loader's ``DistributedSampler`` seed or ``PL_GLOBAL_SEED``).
+    """
+
+    def __init__(
+        self,
+        *,
+        probes: Sequence[Probe] | Callable[[], Sequence[Probe]] | None = None,
+        interval: float = 1.0,
+        adapt_batch_size: bool = True,
+        min_batch_size: int | None = None,
+        max_batch_size: int | None = None,
+        policy: BatchSizePolicy | None = None,
+        balance_shares: bool = True,
+        speed_smoothing: float = 0.0,
+        lr_scaling: str = "auto",
+        comm_hook: str = "compose",
+        oom_recovery: bool = True,
+        max_oom_splits: int = 8,
+        loss_reduction: str = "mean",
+        log_every_n_steps: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        for name, value in (("min_batch_size", min_batch_size), ("max_batch_size", max_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if min_batch_size is not None and max_batch_size is not None and max_batch_size < min_batch_size:
+            raise ValueError(f"max_batch_size ({max_batch_size}) must be >= min_batch_size ({min_batch_size})")
+        if policy is not None and not isinstance(policy, BatchSizePolicy):
+            raise ValueError(f"policy must be an ivyplug.load.BatchSizePolicy, got {policy!r}")
+        if not (isinstance(speed_smoothing, (int, float)) and 0.0 <= speed_smoothing < 1.0):
+            raise ValueError(f"speed_smoothing must be in [0, 1), got {speed_smoothing!r}")
+        check_rule(lr_scaling)
+        if comm_hook not in ("compose", "refuse"):
+            raise ValueError(f"comm_hook must be 'compose' or 'refuse', got {comm_hook!r}")
+        if isinstance(max_oom_splits, bool) or not isinstance(max_oom_splits, int) or max_oom_splits < 2:
+            raise ValueError(f"max_oom_splits must be an int >= 2, got {max_oom_splits!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+            raise ValueError(f"log_every_n_steps must be an int >= 1 or None, got {log_every_n_steps!r}")
+        self.probes = probes
+        self.interval = float(interval)
+        self.adapt_batch_size = adapt_batch_size
+        self.min_batch_size = min_batch_size
+        self.max_batch_size = max_batch_size
+        self.policy = policy
+        self.balance_shares = balance_shares
+        self.speed_smoothing = float(speed_smoothing)
+        self.lr_scaling = lr_scaling
+        self.comm_hook = comm_hook
+        self.oom_recovery = oom_recovery
+        self.max_oom_splits = max_oom_splits
+        self.loss_reduction = loss_reduction
+        self.log_every_n_steps = log_every_n_steps
+        self.seed = seed
+
+        # decisions (checkpointed)
+        self.batch_size: int | None = None
+        self.shares: list[int] | None = None
+        self.policy_state = PolicyState()
+        self.lr_factor = 1.0
+        self.oom_count = 0
+        self.speeds: list[float] | None = None
+        self.history: list[dict[str, Any]] = []
+        self.monitoring_only: str | None = None
+
+        # runtime
+        self.hook_seconds = 0.0
+        self.steps = 0
+        self._sampler: Sampler | None = None
+        self._share_sampler: ShareBatchSampler | None = None
+        self._hook_state: ShareHookState | None = None
+        self._oom: OOMRecovery | None = None
+        self._user_hook: tuple[Any, Any] | None = None
+        self._orig_process: Callable[[object], object] | None = None
+        self._rules: list[str] = []
+        self._world = 1
+        self._rank = 0
+        self._device_index: int | None = None
+        self._trainer_ref: pl.Trainer | None = None
+        self._reset_epoch()
+
+    # ------------------------------------------------------------------ setup / teardown
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer_ref = trainer
+        self._world = trainer.world_size
+        self._rank = trainer.global_rank
+        probes = self.probes() if callable(self.probes) else self.probes
+        self._sampler = Sampler(default_probes() if probes is None else list(probes), interval=self.interval)
+        trainer_any: Any = trainer  # these Trainer attributes are set in __init__ by connectors (untyped)
+        if trainer_any.reload_dataloaders_every_n_epochs != 1:
+            log.info("IvyLoadBalancer: reloading training loaders every epoch (reload_dataloaders_every_n_epochs=1)")
+            trainer_any.reload_dataloaders_every_n_epochs = 1
+        strategy = trainer.strategy
+        if getattr(strategy, "is_async", False):
+            self._monitor_only("the ivy_ps async/ssp strategy hands out batches itself")
+        if self._orig_process is None:
+            self._orig_process = strategy.process_dataloader
+            strategy.process_dataloader = self._process_dataloader  # type: ignore[method-assign]
+        if isinstance(strategy, DDPStrategy) and getattr(strategy, "_ddp_comm_hook", None) is not None:
+            if self.comm_hook == "refuse":
+                raise ValueError(
+                    "IvyLoadBalancer weights each rank's gradient by its share through a DDP communication hook and "
+                    f"torch allows one hook per model, but the strategy already has ddp_comm_hook="
+                    f"{strategy._ddp_comm_hook!r}; remove it, or use IvyLoadBalancer(comm_hook='compose') to run it "
+                    "after the share weighting"
+                )
+            hook = strategy._ddp_comm_hook
+            wrapper = getattr(strategy, "_ddp_comm_wrapper", None)
+            self._user_hook = (wrapper(hook) if wrapper is not None else hook, strategy._ddp_comm_state)
+            strategy._ddp_comm_hook = None  # Lightning must not register it: ours calls it
+            strategy._ddp_comm_wrapper = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+        if self._orig_process is not None:
+            trainer.strategy.__dict__.pop("process_dataloader", None)
+            self._orig_process = None
+        self._trainer_ref = None
+        if self._oom is not None:
+            self._oom.remove()
+            self._oom = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        root = trainer.strategy.root_device
+        self._device_index = root.index if root.type == "cuda" else None
+        self._rules = (
+            [resolve_rule(self.lr_scaling, opt) for opt in trainer.optimizers] if self.adapt_batch_size else []
+        )
+        model = trainer.strategy.model
+        if self._world > 1 and isinstance(model, DistributedDataParallel):
+            user_hook, user_state = self._user_hook if self._user_hook is not None else (None, None)
+            self._hook_state = ShareHookState(
+                world_size=self._world, process_group=model.process_group, user_hook=user_hook, user_state=user_state
+            )
+            try:
+                model.register_comm_hook(self._hook_state, share_weighted_hook)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    "IvyLoadBalancer could not register its gradient-weighting DDP communication hook: the model "
+                    "already has one (torch allows one per model). Pass your hook as DDPStrategy(ddp_comm_hook=...) "
+                    f"so IvyLoadBalancer can compose it, or remove it. Original error: {exc}"
+                ) from exc
+        elif self._user_hook is not None:
+            raise RuntimeError("a ddp_comm_hook was given but the model is not wrapped in DistributedDataParallel")
+        if self.oom_recovery and pl_module.automatic_optimization:
+            self._oom = OOMRecovery(trainer, pl_module, self.max_oom_splits, self.loss_reduction, self._count_oom)
+
+    # ------------------------------------------------------------------ the loader
+    def _monitor_only(self, reason: str) -> None:
+        if self.monitoring_only is None:
+            rank_zero_warn(f"IvyLoadBalancer: {reason}; batch size and shares stay fixed (monitoring only)")
+        self.monitoring_only = reason
+
+    def _process_dataloader(self, dataloader: object) -> object:
+        assert self._orig_process is not None
+        dataloader = self._orig_process(dataloader)
+        trainer = self._trainer_of()
+        if trainer is None or not trainer.training or self.monitoring_only is not None:
+            return dataloader
+        reason = why_unsupported(dataloader)
+        if reason is not None:
+            self._monitor_only(reason)
+            return dataloader
+        assert isinstance(dataloader, torch.utils.data.DataLoader)
+        default_seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        spec = loader_spec(dataloader, default_seed)
+        if self.batch_size is None:
+            self.batch_size = spec.batch_size * self._world
+        if self.shares is None or len(self.shares) != self._world or sum(self.shares) != self.batch_size:
+            self.shares = worker_shares(self.batch_size, [1.0] * self._world)
+        sampler = ShareBatchSampler(
+            num_samples=len(dataloader.dataset),  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shares=self.shares,
+            rank=self._rank,
+            epoch=trainer.current_epoch,
+            seed=self.seed if self.seed is not None else spec.seed,
+            shuffle=spec.shuffle,
+            drop_last=spec.drop_last,
+        )
+        self._share_sampler = sampler
+        return rebuild_loader(dataloader, sampler)
+
+    def _trainer_of(self) -> pl.Trainer | None:
+        return self._trainer_ref
+
+    # ------------------------------------------------------------------ per step
+    def _reset_epoch(self) -> None:
+        self._epoch_compute = 0.0
+        self._epoch_samples = 0
+        self._epoch_steps = 0
+        self._epoch_ooms = 0
+        self._t0 = 0.0
+        self._t_backward = None  # type: float | None
+        self._step_samples = 0
+
+    def _count_oom(self) -> None:
+        self.oom_count += 1
+        self._epoch_ooms += 1
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset_epoch()
+        if self._sampler is not None:
+            self._sampler.reset_window()
+        if self._oom is not None:
+            self._oom.new_epoch()
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        start = time.perf_counter()
+        sampler = self._share_sampler
+        if sampler is not None and batch_idx < len(sampler):
+            self._step_samples = sampler.local_size(batch_idx)
+            if self._hook_state is not None:
+                self._hook_state.weight = sampler.weight(batch_idx)
+        else:
+            self._step_samples = _batch_len(batch)
+            if self._hook_state is not None:
+                self._hook_state.weight = 1.0 / self._world
+        if self._hook_state is not None:
+            self._hook_state.last_bucket_time = None
+        self._t_backward = None
+        self._t0 = time.perf_counter()
+        self.hook_seconds += self._t0 - start
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t_backward = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        end = self._hook_state.last_bucket_time if self._hook_state is not None else None
+        if end is None:
+            end = self._t_backward if self._t_backward is not None else now
+        self._epoch_compute += max(end - self._t0, 0.0)
+        self._epoch_samples += self._step_samples
+        self._epoch_steps += 1
+        self.steps += 1
+        every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 50) or 50
+        if self.steps % every == 0:
+            self._log_step(pl_module)
+        self.hook_seconds += time.perf_counter() - now
+
+    def _log_step(self, pl_module: pl.LightningModule) -> None:
+        metrics: dict[str, float] = {}
+        if self._sampler is not None:
+            latest = self._sampler.latest()
+            metrics.update({f"ivy/{k}": v for k, v in latest.items() if not _is_per_core(k)})
+            stats = self._sampler.summary()
+            obs = observation_from_summary(stats, self._device_index, self._epoch_ooms)
+            if obs.utilization is not None:
+                metrics["ivy/utilization"] = obs.utilization
+            if obs.memory_fraction is not None:
+                metrics["ivy/memory_fraction"] = obs.memory_fraction
+        if self.batch_size is not None:
+            metrics["ivy/batch_size"] = float(self.batch_size)
+        if self.shares is not None:
+            metrics["ivy/share"] = float(self.shares[self._rank])
+        metrics["ivy/lr_factor"] = self.lr_factor
+        metrics["ivy/oom_count"] = float(self.oom_count)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
+
+    # ------------------------------------------------------------------ epoch boundary
+    def _gather(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        if self._world == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return [record]
+        out: list[Any] = [None] * self._world
+        torch.distributed.all_gather_object(out, record)
+        return out
+
+    def _policy(self) -> BatchSizePolicy:
+        if self.policy is not None:
+            return self.policy
+        assert self.batch_size is not None
+        low = self.min_batch_size if self.min_batch_size is not None else self._world
+        high = self.max_batch_size if self.max_batch_size is not None else max(8 * self.batch_size, low)
+        self.policy = BatchSizePolicy(min_batch_size=max(low, self._world), max_batch_size=max(high, low, self._world))
+        return self.policy
+
+    def _decide(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        assert self.batch_size is not None and self.shares is not None
+        old = self.batch_size
+        new, state, reason = old, self.policy_state, "fixed"
+        if self.adapt_batch_size and self.monitoring_only is None:
+            observations = [LoadObservation(r["utilization"], r["memory_fraction"], r["oom_count"]) for r in records]
+            decision = self._policy().decide(old, combine_observations(observations), self.policy_state)
+            new, state, reason = decision.batch_size, decision.state, decision.reason
+        speeds = self.speeds
+        shares = list(self.shares)
+        if self._world > 1 and self.monitoring_only is None:
+            measured = [(r["samples"], r["compute_time"]) for r in records]
+            if self.balance_shares and all(n > 0 and t > 0 for n, t in measured):
+                current = measured_speeds([n for n, _ in measured], [t for _, t in measured])
+                speeds = smooth_speeds(self.speeds, current, self.speed_smoothing)
+                shares = worker_shares(new, speeds)
+            elif new != old:
+                shares = worker_shares(new, [float(s) for s in self.shares])
+        else:
+            shares = [new]
+        return {
+            "batch_size": new,
+            "shares": shares,
+            "policy_state": state.to_dict(),
+            "reason": reason,
+            "speeds": speeds,
+        }
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._sampler is None or self.batch_size is None or self.shares is None:
+            return
+        self._sampler.sample_now()
+        obs = observation_from_summary(self._sampler.summary(), self._device_index, self._epoch_ooms)
+        record = {
+            "rank": self._rank,
+            "compute_time": self._epoch_compute,
+            "samples": self._epoch_samples,
+            "steps": self._epoch_steps,
+            "utilization": obs.utilization,
+            "memory_fraction": obs.memory_fraction,
+            "oom_count": self._epoch_ooms,
+            "share": self.shares[self._rank],
+        }
+        records = self._gather(record)
+        decision = self._decide(records) if self._rank == 0 else None
+        if self._world > 1:
+            decision = trainer.strategy.broadcast(decision, src=0)
+        assert decision is not None
+        old = self.batch_size
+        self.batch_size = int(decision["batch_size"])
+        self.shares = [int(s) for s in decision["shares"]]
+        self.policy_state = PolicyState.from_dict(decision["policy_state"])
+        self.speeds = decision["speeds"]
+        if self.batch_size != old:
+            self._rescale_lr(trainer, old, self.batch_size)
+        self.history.append(
+            {
+                "epoch": trainer.current_epoch,
+                "batch_size": old,
+                "next_batch_size": self.batch_size,
+                "next_shares": list(self.shares),
+                "reason": decision["reason"],
+                "lr_factor": self.lr_factor,
+                "ranks": records,
+            }
+        )
+        metrics: dict[str, float] = {"ivy/batch_size": float(self.batch_size), "ivy/lr_factor": self.lr_factor}
+        for r in records:
+            for key in ("compute_time", "samples", "share", "utilization", "memory_fraction", "oom_count"):
+                value = r[key]
+                if value is not None:
+                    metrics[f"ivy/rank{r['rank']}/{key}"] = float(value)
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False, batch_size=1)
+
+    def _rescale_lr(self, trainer: pl.Trainer, old: int, new: int) -> None:
+        if not self._rules:
+            self._rules = [resolve_rule(self.lr_scaling, opt) for opt in trainer.optimizers]
+        for i, (opt, rule) in enumerate(zip(trainer.optimizers, self._rules, strict=True)):
+            factor = lr_factor(old, new, rule)
+            for group in opt.param_groups:
+                group["lr"] *= factor
+                if "initial_lr" in group:
+                    group["initial_lr"] *= factor
+            for config in trainer.lr_scheduler_configs:
+                scheduler = config.scheduler
+                if getattr(scheduler, "optimizer", None) is opt and hasattr(scheduler, "base_lrs"):
+                    scheduler.base_lrs = [b * factor for b in scheduler.base_lrs]
+            if i == 0:
+                self.lr_factor *= factor
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "shares": self.shares,
+            "policy_state": self.policy_state.to_dict(),
+            "lr_factor": self.lr_factor,
+            "oom_count": self.oom_count,
+            "speeds": self.speeds,
+            "history": self.history,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batch_size = state_dict["batch_size"]
+        self.shares = state_dict["shares"]
+        self.policy_state = PolicyState.from_dict(state_dict["policy_state"])
+        self.lr_factor = float(state_dict["lr_factor"])
+        self.oom_count = int(state_dict["oom_count"])
+        self.speeds = state_dict["speeds"]
+        self.history = list(state_dict["history"])
+
+
+def _batch_len(batch: Any) -> int:
+    from ivyplug.load.oom import batch_length
+
+    try:
+        return batch_length(batch)
+    except ValueError:
+        return 1

@@ -1,0 +1,37 @@
+"""Per-worker PS metrics, gathered at epoch end and logged as ``ivy/rank{r}/<metric>``.
+
+Lightning's loggers write from rank 0 only, so each worker's numbers (pushes, pulls, staleness,
+bytes, time waiting on the PS) are all-gathered first; every rank then logs the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class PSMetricsLogger(Callback):
+    """Installed by :class:`IvyPSStrategy`; not meant to be added by users."""
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
+        self.last: dict[str, float] = {}
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        local = self._strategy.ps_metrics()
+        if not local:
+            return
+        names = sorted(local)
+        values = torch.tensor([float(local[n]) for n in names], dtype=torch.float64)
+        gathered = self._strategy.all_gather(values)
+        if gathered.dim() == 1:
+            gathered = gathered.unsqueeze(0)
+        self.last = {}
+        for rank in range(gathered.shape[0]):
+            for i, name in enumerate(names):
+                key = f"ivy/rank{rank}/{name}"
+                value = float(gathered[rank, i])
+                self.last[key] = value
+                pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=False, reduce_fx="max")

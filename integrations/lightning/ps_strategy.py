@@ -1,0 +1,390 @@
+"""``IvyPSStrategy``: Lightning training on the ivyplug parameter server.
+
+A ``DDPStrategy`` subclass, so launching (spawn, popen, torchrun), ranks and the default process
+group's collectives (``reduce``/``broadcast``/``barrier`` for ``sync_dist``, ``ModelCheckpoint`` and
+``EarlyStopping``) are Lightning's own. What changes:
+
+* no ``DistributedDataParallel`` wrapper: gradients go to the PS, which owns the optimizer. Without the
+  wrapper nothing copies rank 0's initial weights, so every rank pulls the servers' copy at setup;
+* ``optimizer_step`` runs Lightning's closure (forward, backward, before-step hooks), then pushes the
+  gradients and pulls fresh parameters (``PSClient.step``) instead of stepping the local optimizer.
+  The local optimizer only carries the hyperparameters (so LR schedulers keep working);
+* norm clipping (``gradient_clip_val``) is not applied locally: the precision plugin's
+  ``clip_gradients`` records the requested norm and the PS clips the combined gradient once;
+* before validation, a checkpoint and the end of fit every rank applies in-flight pushes and pulls
+  the global parameters (``PSClient.sync``), so what is validated, saved and returned is the global model;
+* in ``async``/``ssp`` mode a worker draws its batches from a queue shared through the PS (a fast worker
+  trains more batches), and no collective runs on the default group per batch: Lightning's per-batch
+  SIGTERM broadcast is replaced by a stop flag carried by the PS, on-step ``sync_dist`` stays local, and
+  options that need per-step collectives are refused before spawning. Ranks meet at epoch end.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import lightning
+import torch
+import torch.distributed
+from ivyplug.integrations.lightning import registration
+from ivyplug.integrations.lightning.dispatch_loader import make_dispatch_loader
+from ivyplug.integrations.lightning.launchers import CheckedMultiProcessingLauncher, CheckedSubprocessScriptLauncher
+from ivyplug.integrations.lightning.ps_metrics import PSMetricsLogger
+from ivyplug.integrations.lightning.trainer_checks import per_step_collective_problems
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.optim import Optimizer
+
+from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
+
+log = logging.getLogger(__name__)
+
+#: Key of the PS state inside each entry of a checkpoint's ``optimizer_states``.
+CHECKPOINT_KEY = "ivyplug_ps"
+CHECKPOINT_FORMAT = 1
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+#: Lightning versions whose training epoch loop was checked for per-batch collectives.
+_CHECKED_LIGHTNING = ("2.4.", "2.5.", "2.6.")
+
+
+class IvyPSStrategy(DDPStrategy):
+    """Parameter-server training for Lightning: ``Trainer(strategy=IvyPSStrategy(mode="async"))``.
+
+    Args:
+        mode: ``"async"`` (default: each push applied on arrival), ``"sync"`` (every worker's gradient of
+            a step combined, weighted by its sample count: the same math as DDP) or ``"ssp"``.
+        staleness: for ``mode="ssp"``: a worker blocks while it is more than this many steps ahead of the
+            slowest live worker. Required for ssp, refused otherwise.
+        num_servers: 0 (default) co-locates one shard with every worker; ``k > 0`` runs k dedicated CPU
+            server processes (for GPU workers).
+        staleness_scaling: ``"inverse"`` (default) scales a gradient of staleness tau >= 1 by 1/tau;
+            ``"none"`` applies it unscaled (async/ssp only).
+        timeout: seconds that any single wait on the PS may take before failing with an error
+            (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
+        max_shard_bytes: split tensors larger than this row-wise across servers (``None``: whole tensors).
+        process_group_timeout: timeout of the default process group's collectives (Lightning's ``timeout``).
+        start_method: ``"popen"`` (default, like ``strategy="ddp"``), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend: as for Lightning's ``DDPStrategy``.
+
+    Unknown keyword arguments raise ``ValueError`` (``DDPStrategy`` would forward them to
+    ``DistributedDataParallel``, which this strategy does not use).
+    """
+
+    strategy_name = "ivy_ps"
+
+    def __init__(
+        self,
+        mode: str = "async",
+        staleness: int | None = None,
+        num_servers: int = 0,
+        staleness_scaling: str = "inverse",
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_shard_bytes: int | None = None,
+        *,
+        process_group_timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ValueError(
+                f"IvyPSStrategy got unknown keyword argument(s) {sorted(unknown)}; allowed: mode, staleness, "
+                "num_servers, staleness_scaling, timeout, max_shard_bytes, process_group_timeout, start_method, "
+                "accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, "
+                "process_group_backend"
+            )
+        self.ps_config = PSConfig(
+            mode=mode,
+            staleness=staleness,
+            staleness_scaling=staleness_scaling,
+            timeout=timeout,
+            num_servers=num_servers,
+            max_shard_bytes=max_shard_bytes,
+        )
+        if start_method not in START_METHODS:
+            raise ValueError(f"IvyPSStrategy.start_method must be one of {START_METHODS}, got {start_method!r}")
+        if process_group_timeout is not None and not isinstance(process_group_timeout, timedelta):
+            raise ValueError(
+                "IvyPSStrategy.process_group_timeout must be a datetime.timedelta or None, "
+                f"got {process_group_timeout!r} (the PS wait limit is `timeout`, in seconds)"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=process_group_timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self._client: Any = None
+        self._samples_since_step = 0
+        self._clip_norm: float | None = None
+        self._in_train_batch = False
+        self._metrics_logger: PSMetricsLogger | None = None
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def mode(self) -> str:
+        return self.ps_config.mode
+
+    @property
+    def is_async(self) -> bool:
+        """True for ``async`` and ``ssp``: workers run different numbers of batches."""
+        return self.ps_config.mode != "sync"
+
+    @property
+    def client(self) -> Any:
+        """The worker's ``PSClient`` while fitting (``None`` otherwise)."""
+        return self._client
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``ivy_ps``, ``ivy_ps_sync`` and ``ivy_ps_ssp`` (Lightning's classmethod protocol)."""
+        registration.register_strategies(strategy_registry)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = CheckedSubprocessScriptLauncher(
+                self, self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def check_fit_configuration(self, trainer: Any, model: Any) -> None:
+        """Refuse, before any worker starts, a fit this strategy cannot run (``ValueError``)."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        problems: list[str] = []
+        if model is not None and not getattr(model, "automatic_optimization", True):
+            problems.append(
+                "manual optimization (automatic_optimization = False): the PS applies the optimizer step, so use "
+                "automatic optimization with a single optimizer"
+            )
+        if self.is_async:
+            problems += per_step_collective_problems(trainer)
+        if problems:
+            raise ValueError(
+                f"IvyPSStrategy(mode={self.mode!r}) cannot run this fit: "
+                + "; ".join(problems)
+                + (
+                    ". In async/ssp mode workers run different numbers of batches and meet only at epoch end; "
+                    "use mode='sync' for per-step collectives."
+                    if self.is_async
+                    else "."
+                )
+            )
+
+    # ------------------------------------------------------------------ setup / teardown
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel wrapper: gradients travel through the PS."""
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ValueError("IvyPSStrategy needs automatic optimization (the PS applies the optimizer step)")
+        if len(self.optimizers) != 1:
+            raise ValueError(f"IvyPSStrategy supports exactly one optimizer, got {len(self.optimizers)}")
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "IvyPSStrategy does not support loss scaling (precision='16-mixed'); use 'bf16-mixed' or 32"
+            )
+        from ivyplug.ps import PSClient
+
+        self._client = PSClient.start(
+            self.ps_config,
+            params=list(module.named_parameters()),
+            buffers=list(module.named_buffers()),
+            optimizer=self.optimizers[0],
+            rank=self.global_rank,
+            world_size=self.world_size,
+        )
+        self._client.pull_initial()
+        self._samples_since_step = 0
+        self._install_clip_recorder()
+        self._metrics_logger = PSMetricsLogger(self)
+        trainer.callbacks.insert(0, self._metrics_logger)
+        if self.is_async:
+            self._install_epoch_loop_patches(trainer)
+
+    def _install_clip_recorder(self) -> None:
+        """Norm clipping is done by the PS on the combined gradient; record the requested norm instead."""
+        plugin = self.precision_plugin
+        local_clip = type(plugin).clip_gradients.__get__(plugin)
+
+        def clip_gradients(
+            optimizer: Optimizer,
+            clip_val: float = 0.0,
+            gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+        ) -> None:
+            if clip_val is None or clip_val <= 0:
+                return
+            if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+                self._clip_norm = float(clip_val)
+            else:  # element-wise clipping is local by nature
+                local_clip(optimizer, clip_val, gradient_clip_algorithm)
+
+        plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
+
+    def _install_epoch_loop_patches(self, trainer: Any) -> None:
+        """async/ssp: no default-group collective per batch (ranks run different batch counts)."""
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not lightning.__version__.startswith(_CHECKED_LIGHTNING):
+            log.warning(
+                "IvyPSStrategy: lightning %s was not checked for per-batch collectives; tested: %s",
+                lightning.__version__,
+                ", ".join(v + "x" for v in _CHECKED_LIGHTNING),
+            )
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            strategy = self
+
+            def broadcast_sigterm_via_ps() -> None:
+                client = strategy._client
+                if client is None:
+                    return
+                if getattr(trainer, "received_sigterm", False):
+                    client.request_stop()
+                if client.stop_requested():
+                    raise SIGTERMException()
+
+            epoch_loop._broadcast_sigterm_tensor = broadcast_sigterm_via_ps
+        original_advance = epoch_loop.advance
+
+        def advance(*args: Any, **kwargs: Any) -> Any:
+            self._in_train_batch = True
+            try:
+                return original_advance(*args, **kwargs)
+            finally:
+                self._in_train_batch = False
+
+        epoch_loop.advance = advance
+
+    def teardown(self) -> None:
+        client, self._client = self._client, None
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if self._metrics_logger is not None and trainer is not None and self._metrics_logger in trainer.callbacks:
+            trainer.callbacks.remove(self._metrics_logger)
+        self._metrics_logger = None
+        try:
+            if client is not None:
+                client.close()
+        finally:
+            super().teardown()
+            # Lightning destroys the default group only for NCCL; spawned gloo workers abort at exit without it.
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+    # ------------------------------------------------------------------ data
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if (
+            self.is_async
+            and self._client is not None
+            and trainer is not None
+            and trainer.training
+            and isinstance(dataloader, torch.utils.data.DataLoader)
+        ):
+            return make_dispatch_loader(dataloader, self._client)
+        return dataloader
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        try:
+            self._samples_since_step += int(extract_batch_size(batch))
+        except Exception:  # a batch Lightning cannot size counts as one sample
+            self._samples_since_step += 1
+
+    # ------------------------------------------------------------------ the step
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Closure (forward, backward, before-step hooks), then push gradients and pull parameters."""
+        if self._client is None:
+            raise RuntimeError("IvyPSStrategy.optimizer_step called outside fit (no PS client)")
+        model = model if model is not None else self.lightning_module
+        self._clip_norm = None
+        closure_result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        num_samples, self._samples_since_step = max(self._samples_since_step, 1), 0
+        self._client.step(num_samples=num_samples, max_grad_norm=self._clip_norm)
+        return closure_result
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """On-step ``sync_dist`` stays local in async/ssp (ranks are not in lockstep); epoch-end reduces are real."""
+        if self._in_train_batch and self.is_async:
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    # ------------------------------------------------------------------ global model at meeting points
+    def _sync(self) -> None:
+        if self._client is not None:
+            self._client.sync()
+
+    def on_validation_start(self) -> None:
+        self._sync()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:
+        self._sync()
+        super().on_train_end()
+
+    def ps_metrics(self) -> dict[str, float]:
+        """This worker's PS counters (empty outside fit)."""
+        return dict(self._client.metrics()) if self._client is not None else {}
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._sync()  # the checkpoint holds the global parameters (collective: every rank saves)
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._client is None:
+            return super().optimizer_state(optimizer)
+        return {
+            CHECKPOINT_KEY: self._client.state_dict(),
+            "format": CHECKPOINT_FORMAT,
+            "mode": self.mode,
+            "worker_optimizer": optimizer.state_dict(),
+        }
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states")
+        if not states:
+            raise ValueError(
+                "IvyPSStrategy cannot resume from a weights-only checkpoint: it holds no PS optimizer state "
+                "(save with ModelCheckpoint(save_weights_only=False))"
+            )
+        state = states[0]
+        if not isinstance(state, Mapping) or CHECKPOINT_KEY not in state:
+            raise ValueError(
+                "IvyPSStrategy cannot resume from this checkpoint: it was not written by IvyPSStrategy "
+                f"(no {CHECKPOINT_KEY!r} entry in optimizer_states[0])"
+            )
+        if self._client is None:
+            raise RuntimeError("IvyPSStrategy.load_optimizer_state_dict called before the PS client started")
+        self.optimizers[0].load_state_dict(state["worker_optimizer"])
+        self._client.load_state_dict(state[CHECKPOINT_KEY])
+        self._client.sync()

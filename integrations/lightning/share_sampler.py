@@ -1,0 +1,146 @@
+"""Per-rank batches of a global batch split by shares, rebuilt into the user's loader each epoch.
+
+:class:`ShareBatchSampler` orders the data set with exactly the permutation Lightning's
+``DistributedSampler`` uses (``torch.randperm`` seeded with ``seed + epoch``), cuts it into global
+steps and splits each step across ranks by the shares (:func:`ivyplug.load.plan_epoch`): every rank
+gets the same number of batches, none empty, and every sample is used once per epoch.
+
+A ``DataLoader`` refuses a new ``batch_sampler`` after construction, so :func:`rebuild_loader` makes
+a new plain ``DataLoader`` with the same dataset, workers, collate function and memory settings.
+:func:`why_unsupported` names the loaders this cannot reproduce faithfully (iterable data sets,
+custom samplers or DataLoader subclasses): those are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from ivyplug.load.batch_plan import EpochPlan, plan_epoch, step_sizes
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """What the user's loader says about ordering: per-rank batch size, shuffle, seed, drop_last."""
+
+    batch_size: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+
+
+def why_unsupported(loader: object) -> str | None:
+    """A reason this loader cannot get a share sampler, or ``None`` when it can."""
+    if not isinstance(loader, DataLoader):
+        return f"the training loader is a {type(loader).__name__}, not a torch DataLoader"
+    if type(loader) is not DataLoader:
+        return f"the training loader is a DataLoader subclass ({type(loader).__name__}) that cannot be rebuilt"
+    if isinstance(loader.dataset, IterableDataset):
+        return "the training data set is an IterableDataset (no indices to share out)"
+    if type(loader.batch_sampler) is not BatchSampler:
+        return f"the training loader uses a custom batch sampler ({type(loader.batch_sampler).__name__})"
+    if type(loader.sampler) not in (RandomSampler, SequentialSampler, DistributedSampler):
+        return f"the training loader uses a custom sampler ({type(loader.sampler).__name__})"
+    return None
+
+
+def loader_spec(loader: DataLoader, default_seed: int) -> LoaderSpec:
+    """Read ordering settings from a supported loader (see :func:`why_unsupported`)."""
+    batch_sampler = loader.batch_sampler
+    assert isinstance(batch_sampler, BatchSampler)
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        return LoaderSpec(batch_sampler.batch_size, bool(sampler.shuffle), int(sampler.seed), batch_sampler.drop_last)
+    return LoaderSpec(
+        batch_sampler.batch_size, isinstance(sampler, RandomSampler), default_seed, batch_sampler.drop_last
+    )
+
+
+def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """The permutation ``DistributedSampler`` uses for this epoch (identity without shuffle)."""
+    if not shuffle:
+        return list(range(num_samples))
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(num_samples, generator=g).tolist()
+
+
+class ShareBatchSampler:
+    """Yields this rank's index lists for one epoch of a share plan (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        shares: Sequence[int],
+        rank: int,
+        epoch: int,
+        seed: int,
+        shuffle: bool,
+        drop_last: bool = False,
+    ) -> None:
+        if not 0 <= rank < len(shares):
+            raise ValueError(f"rank must be in [0, {len(shares)}), got {rank}")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.shares = list(shares)
+        self.rank = rank
+        self.epoch = epoch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        # validates the shares against the data now, on every rank, rather than mid-epoch
+        self.plan_sizes: EpochPlan = plan_epoch(range(num_samples), batch_size, self.shares, drop_last)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def plan(self) -> EpochPlan:
+        order = epoch_order(self.num_samples, self.epoch, self.seed, self.shuffle)
+        return plan_epoch(order, self.batch_size, self.shares, self.drop_last)
+
+    def local_size(self, step: int) -> int:
+        """This rank's number of samples at ``step``."""
+        return len(self.plan_sizes.batches[self.rank][step])
+
+    def weight(self, step: int) -> float:
+        """This rank's share of the step's global batch (b_i / B for that step)."""
+        return self.plan_sizes.weight(self.rank, step)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.plan().for_worker(self.rank)
+
+    def __len__(self) -> int:
+        return len(step_sizes(self.num_samples, self.batch_size, self.drop_last))
+
+
+def rebuild_loader(loader: DataLoader, batch_sampler: ShareBatchSampler) -> DataLoader:
+    """A new ``DataLoader`` like ``loader`` but drawing batches from ``batch_sampler``."""
+    kwargs: dict[str, Any] = {
+        "batch_sampler": batch_sampler,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    return DataLoader(loader.dataset, **kwargs)

@@ -1,0 +1,46 @@
+"""A DDP communication hook that weights each rank's gradient by its share b_i/B before summing.
+
+With uneven per-rank batches an equal-weight mean of the ranks' mean gradients is biased; the
+full-batch mean is Σ_i (b_i/B)·g_i. The hook multiplies the bucket by b_i/B and all-reduces with
+SUM. A user's own hook (torch allows one per model) is composed: the bucket is pre-scaled by
+W·b_i/B and handed to it, which is right for every hook that ends in a mean over W ranks (the
+default all-reduce, fp16/bf16 compression, PowerSGD). The hook also stamps the time at which the
+last bucket is ready: the end of this rank's own backward compute, before any waiting for others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ShareHookState:
+    """Mutable state read by the hook at every step; the callback sets ``weight`` per step."""
+
+    world_size: int
+    process_group: Any = None
+    weight: float = 1.0
+    user_hook: Callable[[Any, Any], torch.futures.Future] | None = None
+    user_state: Any = None
+    last_bucket_time: float | None = None
+    calls: int = field(default=0)
+
+
+def share_weighted_hook(state: ShareHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Scale by b_i/B and all-reduce SUM (or pre-scale and delegate to the user's hook)."""
+    state.calls += 1
+    if bucket.is_last():
+        state.last_bucket_time = time.perf_counter()
+    buffer = bucket.buffer()
+    if state.user_hook is not None:
+        buffer.mul_(state.weight * state.world_size)
+        return state.user_hook(state.user_state, bucket)
+    buffer.mul_(state.weight)
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])

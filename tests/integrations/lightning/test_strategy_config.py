@@ -1,0 +1,109 @@
+"""Constructor validation and the refusals that happen in the main process, before any worker starts."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from ivyplug.integrations.lightning import IvyPSStrategy
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from .digits import DigitsMLP, ManualOptMLP
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"find_unused_parameters": True}, "unknown keyword argument.*find_unused_parameters"),
+        ({"mode": "bsp"}, "mode must be one of"),
+        ({"mode": "ssp"}, "staleness must be an int"),
+        ({"mode": "ssp", "staleness": -1}, "staleness must be >= 0"),
+        ({"mode": "async", "staleness": 2}, "staleness is only meaningful"),
+        ({"staleness_scaling": "sqrt"}, "staleness_scaling must be one of"),
+        ({"timeout": 0}, "timeout must be a finite number"),
+        ({"timeout": timedelta(seconds=3)}, "timeout must be a finite number"),
+        ({"num_servers": -1}, "num_servers must be an int"),
+        ({"max_shard_bytes": 0}, "max_shard_bytes must be None or an int"),
+        ({"start_method": "thread"}, "start_method must be one of"),
+        ({"process_group_timeout": 30}, "process_group_timeout must be a datetime.timedelta"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        IvyPSStrategy(**kwargs)
+
+
+def test_defaults_and_valid_arguments() -> None:
+    s = IvyPSStrategy()
+    assert (s.mode, s.ps_config.staleness, s.ps_config.staleness_scaling, s.ps_config.num_servers) == (
+        "async",
+        None,
+        "inverse",
+        0,
+    )
+    assert s.ps_config.timeout == 120.0
+    s = IvyPSStrategy(mode="ssp", staleness=0, timeout=5, process_group_timeout=timedelta(seconds=60))
+    assert (s.mode, s.ps_config.staleness, s.ps_config.timeout) == ("ssp", 0, 5)
+
+
+def _trainer(mode: str, **kwargs: Any) -> Trainer:
+    kwargs.setdefault("callbacks", [])
+    return Trainer(
+        strategy=IvyPSStrategy(mode=mode, start_method="spawn", staleness=1 if mode == "ssp" else None),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    "mode, trainer_kwargs, model_cls, match",
+    [
+        ("async", {"val_check_interval": 0.5}, DigitsMLP, r"val_check_interval=0\.5"),
+        ("ssp", {"val_check_interval": 3}, DigitsMLP, r"val_check_interval=3"),
+        ("async", {"val_check_interval": "00:00:00:05"}, DigitsMLP, "time-based val_check_interval"),
+        ("async", {"max_time": "00:00:01:00"}, DigitsMLP, "Timer checked every step"),
+        ("async", {"callbacks": [ModelCheckpoint(every_n_train_steps=5)]}, DigitsMLP, "every_n_train_steps=5"),
+        (
+            "async",
+            {"callbacks": [ModelCheckpoint(train_time_interval=timedelta(seconds=5))]},
+            DigitsMLP,
+            "train_time_interval",
+        ),
+        ("async", {"sync_batchnorm": True}, DigitsMLP, "sync_batchnorm"),
+        ("sync", {}, ManualOptMLP, "manual optimization"),
+        ("async", {}, ManualOptMLP, "manual optimization"),
+    ],
+)
+def test_fit_refused_before_spawning(
+    mode: str, trainer_kwargs: dict[str, Any], model_cls: type, match: str, tmp_path: Any
+) -> None:
+    trainer = _trainer(mode, default_root_dir=str(tmp_path), **trainer_kwargs)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(model_cls())
+    assert multiprocessing.active_children() == []
+    assert time.monotonic() - start < 30  # refused up front, not after a worker timed out
+
+
+def test_sync_mode_allows_per_step_options() -> None:
+    strategy = IvyPSStrategy(mode="sync", start_method="spawn")
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        val_check_interval=0.5,
+        max_time="00:00:01:00",
+        logger=False,
+        enable_progress_bar=False,
+    )
+    trainer.state.fn = "fit"
+    strategy.check_fit_configuration(trainer, DigitsMLP())  # no error

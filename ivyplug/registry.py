@@ -26,7 +26,12 @@ DISABLE_AUTOLOAD_ENV = "IVYPLUG_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_PROVIDER = "ivyplug"
 
 #: Modules of ivyplug's own plugins, registered in this order.
-BUILTIN_PLUGINS: tuple[str, ...] = ("ivyplug.load.plugin", "ivyplug.integrations.lightning.plugin")
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "ivyplug.optim.plugin",
+    "ivyplug.integrations.keras.plugin",
+    "ivyplug.load.plugin",
+    "ivyplug.integrations.lightning.plugin",
+)
 
 _HOOK_FOR_KIND = {
     "strategy": "ivyplug_strategies",

@@ -1,0 +1,36 @@
+"""ivyplug's torch optimizers: :class:`LAMB`, its functional form :func:`lamb`, and :func:`lamb_param_groups`.
+
+Attributes load lazily (PEP 562), so that the registry can import :mod:`ivyplug.optim.plugin` without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ivyplug.optim.functional import lamb
+    from ivyplug.optim.groups import lamb_param_groups
+    from ivyplug.optim.optimizer import LAMB
+
+__all__ = ["LAMB", "lamb", "lamb_param_groups"]
+
+_LAZY: dict[str, str] = {
+    "LAMB": "ivyplug.optim.optimizer:LAMB",
+    "lamb": "ivyplug.optim.functional:lamb",
+    "lamb_param_groups": "ivyplug.optim.groups:lamb_param_groups",
+}
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'ivyplug.optim' has no attribute {name!r}")
+    module_name, attr = target.split(":")
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

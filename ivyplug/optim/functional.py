@@ -1,0 +1,384 @@
+"""LAMB as functions over tensor lists: a per-tensor reference loop and a multi-tensor kernel.
+
+The algorithm is Algorithm 2 of You et al. (ICLR 2020), with these documented choices:
+
+* weight decay sits inside the trust-ratio update: ``u = m̂ / (√v̂ + ε) + λx`` (paper and its reference code;
+  not decoupled decay outside the ratio);
+* the *ratio* ``‖x‖ / ‖u‖`` is clipped to ``[min_trust_ratio, max_trust_ratio]`` (not the norm ``‖x‖``);
+* the ratio is exactly 1 when ``‖x‖ = 0`` or ``‖u‖ = 0`` (zero-initialised layers still move), and that fallback
+  is not clipped;
+* ``exclude_from_layer_adaptation`` forces the ratio to 1 (the update is then AdamW-like with L2-in-update decay);
+* global gradient clipping (``grad_scale``) is applied by scaling ``g`` inside the moment updates, so the caller's
+  ``.grad`` tensors are never modified.
+
+Both kernels evaluate the same algebra, written to keep the number of passes small and allocation-free:
+``u = c·m / (√v + ε·√bc2) + λx`` with ``c = √bc2 / bc1`` equals ``m̂/(√v̂+ε) + λx``. Each kernel keeps ``u`` (or
+``u/λ``) in a reused scratch buffer (:class:`Workspace`), so a step allocates nothing large and causes no page
+faults, whatever the allocator settings.
+
+Device rule for ``foreach=None`` (:func:`resolve_foreach`): the per-tensor loop on CPU, the multi-tensor kernel on
+every other device. On CPU the loop keeps each tensor's working set in cache between its passes and was measured
+faster than the multi-tensor kernel (``ivyplug bench lamb``, docs/benchmarks.md); on accelerators the multi-tensor
+kernel saves launches, as in torch.optim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CPU_CHUNK_ELEMENTS",
+    "Workspace",
+    "global_grad_norm",
+    "lamb",
+    "resolve_foreach",
+    "trust_ratio",
+]
+
+#: Elements per multi-tensor chunk on CPU: a chunk's six buffers (param, grad, two moments, two scratch) stay in
+#: the shared L3 cache between the kernel's passes.
+CPU_CHUNK_ELEMENTS = 1 << 19
+#: Elements per multi-tensor chunk on accelerators: bounds the scratch memory to two buffers of this size.
+DEVICE_CHUNK_ELEMENTS = 1 << 25
+#: Below this weight decay the kernels do not fold ``1/λ`` into the scratch buffer (``c/λ`` could overflow).
+_FOLD_MIN_DECAY = 1e-12
+
+
+def resolve_foreach(foreach: bool | None, tensors: Sequence[Tensor]) -> bool:
+    """Which kernel runs: an explicit choice wins; ``None`` means loop on CPU, multi-tensor elsewhere."""
+    if foreach is not None:
+        return bool(foreach)
+    return any(t.device.type != "cpu" for t in tensors)
+
+
+def trust_ratio(param_norm: float, update_norm: float, min_ratio: float, max_ratio: float) -> float:
+    """``‖x‖/‖u‖`` clipped to ``[min_ratio, max_ratio]``; exactly 1 when either norm is 0 (or not finite)."""
+    if param_norm > 0.0 and update_norm > 0.0 and math.isfinite(param_norm) and math.isfinite(update_norm):
+        return min(max(param_norm / update_norm, min_ratio), max_ratio)
+    return 1.0
+
+
+def _trust_ratio_tensor(param_norms: Tensor, update_norms: Tensor, min_ratio: float, max_ratio: float) -> Tensor:
+    """Vectorised :func:`trust_ratio` that never leaves the device (no host sync)."""
+    ok = (param_norms > 0) & (update_norms > 0) & param_norms.isfinite() & update_norms.isfinite()
+    ratio = (param_norms / torch.where(ok, update_norms, torch.ones_like(update_norms))).clamp_(min_ratio, max_ratio)
+    return torch.where(ok, ratio, torch.ones_like(ratio))
+
+
+class Workspace:
+    """Scratch buffers that live across steps, so the kernels allocate nothing per step.
+
+    One flat buffer per (slot, device, dtype), grown when a larger request arrives; the views carved from it are
+    cached by the shapes asked for, so a steady-state step does a dict lookup per request.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
+        self._views: dict[tuple[object, ...], list[Tensor]] = {}
+
+    def views(self, tensors: Sequence[Tensor], slot: int = 0) -> list[Tensor]:
+        """Uninitialised scratch tensors shaped like ``tensors`` (same device and dtype), disjoint from each other."""
+        first = tensors[0]
+        key = (slot, first.device, first.dtype, *(t.shape for t in tensors))
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached
+        flat_key = (slot, first.device, first.dtype)
+        total = sum(t.numel() for t in tensors)
+        flat = self._flat.get(flat_key)
+        if flat is None or flat.numel() < total:
+            # Drop views of the old buffer so its memory is released.
+            self._views = {k: v for k, v in self._views.items() if k[:3] != flat_key}
+            flat = torch.empty(total, device=first.device, dtype=first.dtype)
+            self._flat[flat_key] = flat
+        out: list[Tensor] = []
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            out.append(flat[offset : offset + n].view(t.shape))
+            offset += n
+        self._views[key] = out
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held by the scratch buffers (for memory accounting)."""
+        return sum(f.numel() * f.element_size() for f in self._flat.values())
+
+    def clear(self) -> None:
+        self._flat.clear()
+        self._views.clear()
+
+
+def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
+    """The L2 norm of all ``grads`` together (0-dim, float32 or wider, on the first grad's device).
+
+    Not finite when any gradient element is NaN/Inf; this is how the optimizer detects a step to skip.
+    """
+    if not grads:
+        return torch.zeros(())
+    if all(g.device.type == "cpu" for g in grads):
+        return torch.tensor(math.sqrt(math.fsum(_sumsq(g) for g in grads)))
+    target = grads[0].device
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    partial = []
+    for dev_grads in by_device.values():
+        norms = torch._foreach_norm(dev_grads)
+        partial.append(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).to(target))
+    return torch.linalg.vector_norm(torch.stack(partial))
+
+
+_DOT_DTYPES = (torch.float32, torch.float64)
+
+
+def _sumsq(t: Tensor) -> float:
+    """``‖t‖²`` as a float; on CPU through BLAS ``dot``, several times faster than ``vector_norm`` there.
+
+    NaN/Inf elements (or a sum that overflows) give a non-finite result.
+    """
+    if t.device.type == "cpu" and t.dtype in _DOT_DTYPES:
+        flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+        return torch.dot(flat, flat).item()
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32) ** 2)
+
+
+def _bias_factors(step: float, beta1: float, beta2: float, eps: float, bias_correction: bool) -> tuple[float, float]:
+    """(c, ε') with ``m̂/(√v̂+ε) = c·m/(√v+ε')``."""
+    if not bias_correction:
+        return 1.0, eps
+    bc1 = 1.0 - beta1**step
+    bc2_sqrt = math.sqrt(1.0 - beta2**step)
+    return bc2_sqrt / bc1, eps * bc2_sqrt
+
+
+def _single_tensor_lamb(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    max_trust_ratio: float,
+    min_trust_ratio: float,
+    exclude_from_layer_adaptation: bool,
+    grad_scale: float,
+    workspace: Workspace,
+) -> list[float | Tensor]:
+    """Reference kernel: one tensor at a time, each tensor's passes run while it is hot in cache.
+
+    Reads norms back to the host per tensor (free on CPU, a sync per tensor on accelerators, where the
+    multi-tensor kernel is the default).
+    """
+    adapt = not exclude_from_layer_adaptation
+    fold = weight_decay >= _FOLD_MIN_DECAY
+    ratios: list[float | Tensor] = []
+    for i, p in enumerate(params):
+        g, m, v, step_t = grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i]
+        step_t += 1
+        c, eps_s = _bias_factors(step_t.item(), beta1, beta2, eps, bias_correction)
+        if grad_scale == 1.0:
+            m.lerp_(g, 1.0 - beta1)
+        else:
+            m.mul_(beta1).add_(g, alpha=(1.0 - beta1) * grad_scale)
+        v.mul_(beta2).addcmul_(g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
+        param_norm = math.sqrt(_sumsq(p)) if adapt else 0.0
+        (u,) = workspace.views((p,))
+        torch.sqrt(v, out=u)
+        u.add_(eps_s)
+        if fold:  # u holds (m̂/(√v̂+ε) + λx) / λ
+            torch.addcdiv(p, m, u, value=c / weight_decay, out=u)
+            scale = weight_decay
+        else:  # u holds (m̂/(√v̂+ε) + λx) / c
+            torch.div(m, u, out=u)
+            if weight_decay != 0.0:
+                u.add_(p, alpha=weight_decay / c)
+            scale = c
+        ratio = 1.0
+        if adapt:
+            ratio = trust_ratio(param_norm, scale * math.sqrt(_sumsq(u)), min_trust_ratio, max_trust_ratio)
+        p.add_(u, alpha=-lr * ratio * scale)
+        ratios.append(ratio)
+    return ratios
+
+
+def _chunks(tensors: Sequence[Tensor], limit: int) -> list[tuple[int, int]]:
+    """Consecutive index ranges whose element counts add up to at most ``limit`` (a bigger tensor stands alone)."""
+    ranges: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if i > start and total + n > limit:
+            ranges.append((start, i))
+            start, total = i, 0
+        total += n
+    if start < len(tensors):
+        ranges.append((start, len(tensors)))
+    return ranges
+
+
+def _multi_tensor_lamb(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    max_trust_ratio: float,
+    min_trust_ratio: float,
+    exclude_from_layer_adaptation: bool,
+    grad_scale: float,
+    workspace: Workspace,
+) -> list[float | Tensor]:
+    """Multi-tensor kernel (``torch._foreach_*``), in chunks so that each chunk's passes hit cache.
+
+    On CPU the trust ratios are computed on the host (free there); on other devices they stay on the device and
+    no host sync happens. Returns the ratios as floats (CPU) or as 0-dim device tensors.
+    """
+    if not params:
+        return []
+    adapt = not exclude_from_layer_adaptation
+    fold = weight_decay >= _FOLD_MIN_DECAY
+    on_cpu = params[0].device.type == "cpu"
+    limit = CPU_CHUNK_ELEMENTS if on_cpu else DEVICE_CHUNK_ELEMENTS
+
+    torch._foreach_add_(list(steps), 1.0)
+    factors = [_bias_factors(s.item(), beta1, beta2, eps, bias_correction) for s in steps]
+
+    ratios_out: list[float | Tensor] = []
+    for lo, hi in _chunks(params, limit):
+        p, g, m, v = list(params[lo:hi]), list(grads[lo:hi]), list(exp_avgs[lo:hi]), list(exp_avg_sqs[lo:hi])
+        cs = [f[0] for f in factors[lo:hi]]
+        if grad_scale == 1.0:
+            torch._foreach_lerp_(m, g, 1.0 - beta1)
+        else:
+            torch._foreach_mul_(m, beta1)
+            torch._foreach_add_(m, g, alpha=(1.0 - beta1) * grad_scale)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
+        d = workspace.views(p, slot=1)
+        u = workspace.views(p, slot=0)
+        torch._foreach_copy_(d, v)
+        torch._foreach_sqrt_(d)
+        torch._foreach_add_(d, [f[1] for f in factors[lo:hi]])
+        if fold:  # u = (m̂/(√v̂+ε) + λx) / λ
+            torch._foreach_copy_(u, p)
+            torch._foreach_addcdiv_(u, m, d, [ci / weight_decay for ci in cs])
+            scales = [weight_decay] * len(p)
+        else:  # u = (m̂/(√v̂+ε) + λx) / c
+            torch._foreach_copy_(u, m)
+            torch._foreach_div_(u, d)
+            if weight_decay != 0.0:
+                for ui, pi, ci in zip(u, p, cs, strict=True):
+                    ui.add_(pi, alpha=weight_decay / ci)
+            scales = cs
+        if not adapt:
+            torch._foreach_mul_(u, [-lr * s for s in scales])
+            torch._foreach_add_(p, u)
+            ratios_out.extend([1.0] * len(p))
+            continue
+        norms = torch.stack(torch._foreach_norm(p + u)).float()
+        n = len(p)
+        if on_cpu:
+            values = norms.tolist()
+            ratios = [
+                trust_ratio(values[i], scales[i] * values[n + i], min_trust_ratio, max_trust_ratio) for i in range(n)
+            ]
+            torch._foreach_mul_(u, [-lr * r * s for r, s in zip(ratios, scales, strict=True)])
+            ratios_out.extend(ratios)
+        else:
+            scale_t = torch.tensor(scales, device=norms.device, dtype=norms.dtype)
+            ratio_t = _trust_ratio_tensor(norms[:n], norms[n:] * scale_t, min_trust_ratio, max_trust_ratio)
+            coef = (ratio_t * scale_t * -lr).to(p[0].dtype)
+            torch._foreach_mul_(u, list(coef.unbind()))
+            ratios_out.extend(ratio_t.unbind())
+        torch._foreach_add_(p, u)
+    return ratios_out
+
+
+def lamb(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    foreach: bool | None = None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool = True,
+    max_trust_ratio: float = 10.0,
+    min_trust_ratio: float = 0.0,
+    exclude_from_layer_adaptation: bool = False,
+    grad_scale: float = 1.0,
+    workspace: Workspace | None = None,
+) -> list[float | Tensor]:
+    """One LAMB step over parallel lists of tensors, in place (like ``torch.optim.adam.adam``).
+
+    ``steps`` are 0-dim float tensors, incremented here. ``grad_scale`` multiplies every gradient (global norm
+    clipping). Returns the trust ratio used for each tensor, in order: floats, or 0-dim tensors from the
+    multi-tensor kernel on accelerators (which never syncs with the host for them). ``workspace`` holds scratch
+    buffers between calls; pass the same one every step to avoid per-step allocations.
+    """
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == n):
+        raise ValueError(
+            "params, grads, exp_avgs, exp_avg_sqs and steps must have the same length, got "
+            f"{n}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}, {len(steps)}"
+        )
+    for g in grads:
+        if g.is_sparse:
+            raise RuntimeError("LAMB does not support sparse gradients; use dense gradients (e.g. sparse=False)")
+    hyper = dict(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+        max_trust_ratio=max_trust_ratio,
+        min_trust_ratio=min_trust_ratio,
+        exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+        grad_scale=grad_scale,
+        workspace=workspace if workspace is not None else Workspace(),
+    )
+    if not resolve_foreach(foreach, params):
+        return _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
+    # foreach lists must share device and dtype: run the kernel per (device, dtype) group, keep the caller's order.
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    if len(groups) == 1:
+        return _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
+    out: list[float | Tensor] = [1.0] * n
+    for idx in groups.values():
+        part = _multi_tensor_lamb(
+            [params[i] for i in idx],
+            [grads[i] for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            [steps[i] for i in idx],
+            **hyper,  # type: ignore[arg-type]
+        )
+        for i, r in zip(idx, part, strict=True):
+            out[i] = r
+    return out

@@ -1,0 +1,231 @@
+"""``LAMB``: the torch.optim.Optimizer around :func:`ivyplug.optim.functional.lamb`.
+
+``step()`` only gathers tensors and decides whether the step runs; the math lives in the functional kernels.
+
+Policies (documented choices):
+
+* **Non-finite gradients**: if any gradient holds NaN/Inf (or the global gradient norm overflows), the whole step
+  is skipped: no parameter, moment or step counter changes, and :attr:`LAMB.skipped_steps` (saved in
+  ``state_dict()``) counts it. This matches what mixed-precision loss scaling expects of an optimizer.
+* **Gradient clipping**: ``max_grad_norm`` clips the global L2 norm over every gradient of this optimizer (all
+  groups) with the coefficient ``min(1, max_grad_norm / (norm + 1e-6))`` of ``clip_grad_norm_``; the
+  ``.grad`` tensors themselves are left untouched.
+* **Kernel choice**: ``foreach=None`` resolves at the first step by the device rule of
+  :func:`ivyplug.optim.functional.resolve_foreach`, and the resolved bool is written into the param group, so it
+  is saved in ``state_dict()`` and a resumed run uses the same kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ivyplug.optim.functional import Workspace, global_grad_norm, lamb, resolve_foreach
+
+__all__ = ["LAMB"]
+
+_CLIP_EPS = 1e-6
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    """ValueError naming the first invalid hyperparameter of a param group."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) or not isinstance(lr, (int, float)) or not lr >= 0.0:
+        raise ValueError(f"lr must be a float >= 0, got {lr!r}")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
+    eps = group["eps"]
+    if not isinstance(eps, (int, float)) or not eps >= 0.0 or not math.isfinite(eps):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    wd = group["weight_decay"]
+    if not isinstance(wd, (int, float)) or not wd >= 0.0 or not math.isfinite(wd):
+        raise ValueError(f"weight_decay must be a finite float >= 0, got {wd!r}")
+    lo, hi = group["min_trust_ratio"], group["max_trust_ratio"]
+    if not isinstance(lo, (int, float)) or not lo >= 0.0 or not math.isfinite(lo):
+        raise ValueError(f"min_trust_ratio must be a finite float >= 0, got {lo!r}")
+    if not isinstance(hi, (int, float)) or not hi > 0.0:
+        raise ValueError(f"max_trust_ratio must be a float > 0 (inf allowed), got {hi!r}")
+    if lo > hi:
+        raise ValueError(f"min_trust_ratio ({lo!r}) must be <= max_trust_ratio ({hi!r})")
+    for name in ("bias_correction", "exclude_from_layer_adaptation"):
+        if not isinstance(group[name], bool):
+            raise ValueError(f"{name} must be a bool, got {group[name]!r}")
+    if group["foreach"] not in (None, True, False):
+        raise ValueError(f"foreach must be None, True or False, got {group['foreach']!r}")
+
+
+class LAMB(torch.optim.Optimizer):
+    """LAMB (You et al., ICLR 2020, Algorithm 2) with a clipped layer-wise trust ratio.
+
+    ``m ← β1 m + (1−β1) g``; ``v ← β2 v + (1−β2) g²``; ``u = m̂/(√v̂+ε) + λx``;
+    ``x ← x − η·clip(‖x‖/‖u‖, min_trust_ratio, max_trust_ratio)·u`` (ratio 1 when a norm is 0).
+
+    Param groups may set ``exclude_from_layer_adaptation=True`` (ratio 1) and ``weight_decay=0.0``; build them
+    with :func:`ivyplug.optim.lamb_param_groups`. See the module docstring for the NaN/Inf, clipping and kernel
+    policies; :meth:`trust_ratios` returns the ratios of the last step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+        max_trust_ratio: float = 10.0,
+        min_trust_ratio: float = 0.0,
+        max_grad_norm: float | None = None,
+        foreach: bool | None = None,
+    ) -> None:
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, (int, float))
+            or not max_grad_norm > 0.0
+            or not math.isfinite(max_grad_norm)
+        ):
+            raise ValueError(f"max_grad_norm must be None or a finite float > 0, got {max_grad_norm!r}")
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "betas": tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "bias_correction": bias_correction,
+            "max_trust_ratio": max_trust_ratio,
+            "min_trust_ratio": min_trust_ratio,
+            "exclude_from_layer_adaptation": False,
+            "foreach": foreach,
+        }
+        _check_group(defaults)
+        self.max_grad_norm: float | None = None if max_grad_norm is None else float(max_grad_norm)
+        #: Steps skipped because a gradient was not finite (saved in ``state_dict()``).
+        self.skipped_steps = 0
+        self._workspace = Workspace()
+        self._last_ratios: list[tuple[list[Tensor], list[float | Tensor]]] = []
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_group(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("skipped_steps", 0)
+        self.__dict__.setdefault("max_grad_norm", None)
+        self._workspace = Workspace()
+        self._last_ratios = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["skipped_steps"] = self.skipped_steps
+        state["max_grad_norm"] = self.max_grad_norm
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["skipped_steps"] = self.skipped_steps
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sd = dict(state_dict)
+        skipped = int(sd.pop("skipped_steps", 0))
+        super().load_state_dict(sd)
+        self.skipped_steps = skipped
+
+    def _gather(
+        self, group: dict[str, Any]
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(
+                    "LAMB does not support sparse gradients (got one for a parameter of shape "
+                    f"{tuple(p.shape)}); use dense gradients, e.g. nn.Embedding(sparse=False)"
+                )
+            if torch.is_complex(p):
+                raise RuntimeError(f"LAMB does not support complex parameters (got {p.dtype})")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        return params, grads, exp_avgs, exp_avg_sqs, steps
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One LAMB step over all groups, or none at all when a gradient is not finite."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        gathered = [self._gather(group) for group in self.param_groups]
+        all_grads = [g for lists in gathered for g in lists[1]]
+        if not all_grads:
+            return loss
+        total_norm = float(global_grad_norm(all_grads))
+        if not math.isfinite(total_norm):
+            self.skipped_steps += 1
+            return loss
+        grad_scale = 1.0
+        if self.max_grad_norm is not None:
+            grad_scale = min(1.0, self.max_grad_norm / (total_norm + _CLIP_EPS))
+        last: list[tuple[list[Tensor], list[float | Tensor]]] = []
+        for group, (params, grads, exp_avgs, exp_avg_sqs, steps) in zip(self.param_groups, gathered, strict=True):
+            if not params:
+                continue
+            if group["foreach"] is None:
+                group["foreach"] = resolve_foreach(None, params)
+            beta1, beta2 = group["betas"]
+            ratios = lamb(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                steps,
+                foreach=group["foreach"],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"],
+                max_trust_ratio=group["max_trust_ratio"],
+                min_trust_ratio=group["min_trust_ratio"],
+                exclude_from_layer_adaptation=group["exclude_from_layer_adaptation"],
+                grad_scale=grad_scale,
+                workspace=self._workspace,
+            )
+            last.append((params, ratios))
+        self._last_ratios = last
+        return loss
+
+    def trust_ratios(self) -> dict[Tensor, float]:
+        """Trust ratio each parameter got in the last step that ran (1.0 where adaptation is excluded).
+
+        Kept as the kernels produced them; converting to floats (a device sync on accelerators) happens only here.
+        """
+        out: dict[Tensor, float] = {}
+        for params, ratios in self._last_ratios:
+            for p, r in zip(params, ratios, strict=True):
+                out[p] = float(r)
+        return out

@@ -1,0 +1,46 @@
+"""Parameter server on torch.distributed (gloo point-to-point), framework-free apart from torch.
+
+``from ivyplug.ps import PSConfig, PSClient`` — see docs/design.md for how a step flows. ``PSConfig``
+(validation only) is importable without torch; everything else loads torch on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ivyplug.ps.config import MODES, STALENESS_SCALINGS, PSConfig
+
+__all__ = [
+    "MODES",
+    "STALENESS_SCALINGS",
+    "PSClient",
+    "PSConfig",
+    "PSProtocolError",
+    "PSTimeoutError",
+    "ShardPlan",
+    "TensorSpec",
+    "build_plan",
+]
+
+_LAZY = {
+    "PSClient": "ivyplug.ps.client",
+    "PSTimeoutError": "ivyplug.ps.transport",
+    "PSProtocolError": "ivyplug.ps.transport",
+    "ShardPlan": "ivyplug.ps.sharding",
+    "TensorSpec": "ivyplug.ps.sharding",
+    "build_plan": "ivyplug.ps.sharding",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ivyplug.ps' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,0 +1,508 @@
+"""The worker-side facade: ``PSClient.start(...)``, ``step``, ``sync``, checkpoints, dispatch, metrics.
+
+Topology (co-located, ``num_servers=0``): every worker rank serves shard ``rank`` of the plan in a
+background thread and talks to the other shards over a gloo group of its own; its own shard is called
+in-process (gloo cannot send to itself). A second gloo group carries the few collectives (start, sync,
+epoch start, checkpoints, close), so they never interleave with point-to-point traffic.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ivyplug.ps.config import PSConfig
+from ivyplug.ps.dispatch import BatchQueue
+from ivyplug.ps.loop import ServerLoop
+from ivyplug.ps.messages import Flag, Header, Kind, Status
+from ivyplug.ps.mirror import OptimizerSpec
+from ivyplug.ps.server import ShardServer, load_state_bytes, piece_shape
+from ivyplug.ps.sharding import ShardPlan, TensorSpec, build_plan
+from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
+
+STATE_FORMAT = "ivyplug.ps/1"
+#: the point-to-point group's own timeout: only the server loop's idle wait uses it (see transport.py)
+_P2P_GROUP_TIMEOUT = timedelta(days=7)
+
+
+@dataclass
+class _Metrics:
+    pushes: int = 0
+    pulls: int = 0
+    staleness_sum: float = 0.0
+    staleness_max: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wait_seconds: float = 0.0
+    batches: int = 0
+    per_shard_staleness: list[int] = field(default_factory=list)
+
+
+def _named(items: Sequence[Any], what: str) -> list[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            out.append((f"{what}{i}", item))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            out.append((str(item[0]), item[1]))
+        else:
+            raise ValueError(f"{what}s must be tensors or (name, tensor) pairs, got {type(item).__name__} at {i}")
+    return out
+
+
+class PSClient:
+    """One worker's handle on the parameter server (see /work/notes/PS_CONTRACT.md and docs/design.md)."""
+
+    def __init__(self) -> None:  # use PSClient.start
+        self.cfg: PSConfig
+        self.rank = 0
+        self.world_size = 1
+        self.plan: ShardPlan
+        self.spec: OptimizerSpec
+        self.optimizer: Any = None
+        self.params: list[tuple[str, torch.Tensor]] = []
+        self.buffers: list[tuple[str, torch.Tensor]] = []
+        self.server: ShardServer | None = None
+        self.queue: BatchQueue | None = None
+        self.loop: ServerLoop | None = None
+        self.channel: Channel | None = None
+        self.p2p_group: Any = None
+        self.coll_group: Any = None
+        self.stop = threading.Event()
+        self._remote_stop = False
+        self.epoch: int | None = None
+        self.closed = False
+        self.m = _Metrics()
+        self._seq = 0
+
+    # -- construction -----------------------------------------------------------------------------
+    @classmethod
+    def start(
+        cls,
+        cfg: PSConfig,
+        params: Sequence[Any],
+        buffers: Sequence[Any] = (),
+        optimizer: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> PSClient:
+        """Create the PS groups, the plan, this rank's shard server and its thread (collective).
+
+        ``params``/``buffers``: tensors or (name, tensor) pairs in the same order and shapes on every
+        rank. ``optimizer``: the worker's torch optimizer over ``params``; its class and per-group
+        hyperparameters are mirrored on the servers. Without an initialised default process group only
+        ``world_size=1`` is possible (everything in-process).
+        """
+        if not isinstance(cfg, PSConfig):
+            raise ValueError(f"cfg must be a PSConfig, got {type(cfg).__name__}")
+        if cfg.num_servers != 0:
+            raise ValueError(
+                f"PSConfig.num_servers={cfg.num_servers}: dedicated server processes are not available in this "
+                "version; use num_servers=0 (each worker serves one shard)"
+            )
+        self = cls()
+        self.cfg = cfg
+        initialised = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if initialised else 0
+        if world_size is None:
+            world_size = dist.get_world_size() if initialised else 1
+        if world_size > 1 and not initialised:
+            raise ValueError("world_size > 1 needs an initialised default process group (torch.distributed)")
+        if initialised and (world_size != dist.get_world_size() or rank != dist.get_rank()):
+            raise ValueError(
+                f"rank/world_size ({rank}/{world_size}) must be this process's default-group rank/world size "
+                f"({dist.get_rank()}/{dist.get_world_size()})"
+            )
+        self.rank, self.world_size = rank, world_size
+        self.params = _named(params, "param")
+        self.buffers = _named(buffers, "buffer")
+        if optimizer is None:
+            raise ValueError("optimizer is required: its class and hyperparameters are mirrored on the servers")
+        self.optimizer = optimizer
+        self.spec = OptimizerSpec.from_optimizer(optimizer, [p for _, p in self.params])
+        specs = [TensorSpec(n, tuple(p.shape), "param", True) for n, p in self.params]
+        specs += [TensorSpec(n, tuple(b.shape), "buffer", b.is_floating_point()) for n, b in self.buffers]
+        self.plan = build_plan(specs, world_size, cfg.max_shard_bytes)
+        if world_size > 1:
+            self.p2p_group = dist.new_group(backend="gloo", timeout=_P2P_GROUP_TIMEOUT)
+            self.coll_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout))
+            self.channel = Channel(self.p2p_group, rank, cfg.timeout)
+            self._check_same_model()
+        full = self._flat_local()
+        if world_size > 1:
+            self._coll_wait(dist.broadcast(full, src=0, group=self.coll_group, async_op=True), "rank 0's parameters")
+        shard = rank
+        init = torch.empty(self.plan.shard_numel(shard), dtype=torch.float32)
+        self._gather_shard(full, shard, init)
+        self.server = ShardServer(shard, self.plan, cfg, world_size, self.spec, init, send_norm=self._send_norm)
+        if rank == 0:
+            self.queue = BatchQueue(world_size)
+        if world_size > 1:
+            assert self.channel is not None
+            self.loop = ServerLoop(self.channel, self.server, self.queue, world_size - 1, self.stop)
+            self.loop.start()
+            self._barrier("every rank's PS server to start")
+        return self
+
+    # -- flat layouts ---------------------------------------------------------------------------
+    def _tensor(self, index: int) -> torch.Tensor:
+        n = len(self.params)
+        return self.params[index][1] if index < n else self.buffers[index - n][1]
+
+    def _flat_local(self) -> torch.Tensor:
+        """All params then buffers of this process, flat fp32 (used for the initial broadcast)."""
+        ts = [p.detach().reshape(-1).float() for _, p in self.params] + [
+            b.detach().reshape(-1).float() for _, b in self.buffers
+        ]
+        return torch.cat(ts) if ts else torch.zeros(0)
+
+    def _gather_shard(self, full: torch.Tensor, shard: int, out: torch.Tensor) -> None:
+        starts = [0]
+        for s in self.plan.specs:
+            starts.append(starts[-1] + s.numel)
+        for p in self.plan.pieces[shard]:
+            spec = self.plan.specs[p.index]
+            row = spec.numel // (spec.shape[0] if spec.shape else 1) if spec.shape else 1
+            a = starts[p.index] + p.row_start * row
+            out[p.offset : p.offset + p.numel].copy_(full[a : a + p.numel])
+
+    def _pack(self, shard: int, clip: float) -> torch.Tensor:
+        """This worker's gradients (zeros where None) then buffers of ``shard``, flat fp32."""
+        out = torch.empty(self.plan.shard_numel(shard), dtype=torch.float32)
+        for p in self.plan.pieces[shard]:
+            dst = out[p.offset : p.offset + p.numel]
+            t = self._tensor(p.index)
+            if p.kind == "param":
+                g = t.grad
+                if g is None:
+                    dst.zero_()
+                    continue
+                src = g.detach()
+            else:
+                src = t.detach()
+            if src.dim() > 0 and (p.row_start, p.row_end) != (0, src.shape[0]):
+                src = src[p.row_start : p.row_end]
+            dst.copy_(src.reshape(-1))
+            if p.kind == "param" and clip != 1.0:
+                dst.mul_(clip)
+        return out
+
+    def _unpack(self, shard: int, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p in self.plan.pieces[shard]:
+                t = self._tensor(p.index)
+                spec = self.plan.specs[p.index]
+                src = flat[p.offset : p.offset + p.numel].view(piece_shape(spec.shape, p))
+                if t.dim() > 0 and (p.row_start, p.row_end) != (0, t.shape[0]):
+                    t[p.row_start : p.row_end].copy_(src)
+                else:
+                    t.copy_(src.view(t.shape) if t.dim() == 0 else src)
+
+    # -- collectives on the PS collective group -------------------------------------------------
+    def _coll_wait(self, work: Any, what: str) -> None:
+        wait_work(work, self.cfg.timeout, f"{what} (collective on the PS group, rank {self.rank})")
+
+    def _barrier(self, what: str) -> None:
+        if self.world_size > 1:
+            self._coll_wait(dist.barrier(group=self.coll_group, async_op=True), what)
+
+    def _check_same_model(self) -> None:
+        sig = torch.tensor([self.plan.signature()], dtype=torch.int64)
+        sigs = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._coll_wait(dist.all_gather(sigs, sig, group=self.coll_group, async_op=True), "model signatures")
+        bad = [r for r, s in enumerate(sigs) if int(s) != int(sig)]
+        if bad:
+            raise ValueError(
+                f"params/buffers differ between ranks (names, shapes or order): rank {self.rank} disagrees with "
+                f"rank(s) {bad}; pass the same model on every rank"
+            )
+
+    # -- messaging ------------------------------------------------------------------------------
+    def _server_rank(self, shard: int) -> int:
+        return shard
+
+    def _send_norm(self, step: int, sq: float) -> None:
+        """Called by this rank's shard (lock held) to share a sync step's squared norm with the others."""
+        assert self.channel is not None or self.world_size == 1
+        for s in self.plan.nonempty_shards():
+            if s == self.rank or self.channel is None:
+                continue
+            h = Header(kind=Kind.NORM, sender=self.rank, shard=s, arg0=step, arg1=self.rank)
+            self.channel.send(self._server_rank(s), h, None, torch.tensor([sq], dtype=torch.float64), wait=False)
+
+    def _request(
+        self,
+        kind: int,
+        shard: int,
+        dst: int,
+        data: torch.Tensor | None,
+        hyper: torch.Tensor | None,
+        reply_numel: int | None,
+        **args: int,
+    ) -> tuple[torch.Tensor, list[Any], torch.Tensor | None, int]:
+        assert self.channel is not None
+        self._seq += 1
+        out = torch.empty(reply_numel, dtype=torch.float32) if reply_numel else None
+        hbuf, works = self.channel.post_reply(dst, out)
+        h = Header(kind=kind, sender=self.rank, shard=shard, seq=self._seq, **args)
+        self.m.bytes_sent += self.channel.send(dst, h, data, hyper, wait=False)
+        return hbuf, works, out, self._seq
+
+    def _finish(self, hbuf: torch.Tensor, works: list[Any], dst: int, what: str) -> Header:
+        assert self.channel is not None
+        t0 = time.monotonic()
+        h = self.channel.wait_reply(hbuf, works, f"rank {dst}'s reply to {what}")
+        self.m.wait_seconds += time.monotonic() - t0
+        if h.status != Status.OK:
+            raise PSProtocolError(f"PS server on rank {dst} failed while answering {what} (see its stderr)")
+        if h.flags & Flag.STOP:
+            self._remote_stop = True
+        self.m.bytes_received += 128 + 4 * h.numel
+        return h
+
+    def _send_simple(self, kind: int, dst: int, **args: int) -> None:
+        assert self.channel is not None
+        self.m.bytes_sent += self.channel.send(dst, Header(kind=kind, sender=self.rank, **args), wait=True)
+
+    # -- the training-step API ------------------------------------------------------------------
+    def pull_initial(self) -> None:
+        """Replace this rank's params and buffers with the servers' copy (initialised from rank 0)."""
+        self._pull_all("the initial pull")
+
+    def _pull_all(self, what: str) -> None:
+        self._check_open()
+        pending = []
+        for s in self.plan.nonempty_shards():
+            dst = self._server_rank(s)
+            if dst != self.rank:
+                pending.append((s, dst, *self._request(Kind.PULL, s, dst, None, None, self.plan.shard_numel(s))))
+        for s in self.plan.nonempty_shards():
+            if self._server_rank(s) == self.rank:
+                assert self.server is not None
+                snap, _ = self.server.local_pull(self.rank)
+                self._unpack(s, snap)
+        for s, dst, hbuf, works, out, _ in pending:
+            self._finish(hbuf, works, dst, f"{what} of shard {s}")
+            assert out is not None
+            self._unpack(s, out)
+        self.m.pulls += 1
+        if self.channel is not None:
+            self.channel.flush()
+
+    def step(self, num_samples: int, max_grad_norm: float | None = None) -> None:
+        """Push this worker's gradients (+ buffers, hyperparameters), wait as the mode says, pull.
+
+        ``num_samples`` weights this worker's gradient in sync mode (uneven batches stay unbiased).
+        ``max_grad_norm``: sync clips by the global norm of the combined gradient (computed by the servers);
+        async/ssp clip each push by its own global norm here, before pushing.
+        """
+        self._check_open()
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
+            raise ValueError(f"num_samples must be an int > 0, got {num_samples!r}")
+        if max_grad_norm is not None and (not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
+            raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
+        clip = 1.0
+        if max_grad_norm is not None and self.cfg.mode != "sync":
+            grads = [p.grad for _, p in self.params if p.grad is not None]
+            if grads:
+                total = torch.nn.utils.get_total_norm(grads)
+                clip = float(torch.clamp(max_grad_norm / (total + 1e-6), max=1.0))
+        prefix = torch.tensor(
+            [
+                float(max_grad_norm) if (max_grad_norm is not None and self.cfg.mode == "sync") else -1.0,
+                float(num_samples),
+            ],
+            dtype=torch.float64,
+        )
+        hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
+        shards = self.plan.nonempty_shards()
+        pending = []
+        for s in shards:
+            dst = self._server_rank(s)
+            if dst != self.rank:
+                data = self._pack(s, clip)
+                pending.append((s, dst, *self._request(Kind.PUSH_PULL, s, dst, data, hyper, data.numel())))
+        staleness: list[int] = []
+        for s in shards:
+            if self._server_rank(s) == self.rank:
+                assert self.server is not None
+                data = self._pack(s, clip)
+                t0 = time.monotonic()
+                snap, _, tau = self.server.local_push_pull(self.rank, data, hyper, self.cfg.timeout)
+                self.m.wait_seconds += time.monotonic() - t0
+                staleness.append(tau)
+                self._unpack(s, snap)
+        for s, dst, hbuf, works, out, _ in pending:
+            h = self._finish(hbuf, works, dst, f"the push/pull of shard {s}")
+            assert out is not None
+            staleness.append(h.arg0)
+            self._unpack(s, out)
+        if self.channel is not None:
+            self.channel.flush()
+        self.m.pushes += 1
+        self.m.pulls += 1
+        if staleness:
+            tau_max = max(staleness)
+            self.m.staleness_sum += tau_max
+            self.m.staleness_max = max(self.m.staleness_max, tau_max)
+
+    def sync(self) -> None:
+        """Collective: let every in-flight push land, then pull the global params and buffers."""
+        self._check_open()
+        if self.world_size > 1:
+            for s in self.plan.nonempty_shards():
+                dst = self._server_rank(s)
+                if dst != self.rank:
+                    self._send_simple(Kind.IDLE, dst, shard=s)
+        if self.server is not None:
+            with self.server.cond:
+                self.server.set_idle(self.rank)
+        self._barrier("every worker to reach sync()")
+        self._pull_all("sync()")
+
+    # -- data dispatch and stop signal ----------------------------------------------------------
+    def start_epoch(self, epoch: int, num_batches: int) -> None:
+        """Collective at the start of an epoch: rank 0 refills the batch queue with 0..num_batches-1."""
+        self._check_open()
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+            raise ValueError(f"num_batches must be an int >= 0, got {num_batches!r}")
+        if self.rank == 0:
+            assert self.queue is not None
+            self.queue.reset(epoch, num_batches)
+        self.epoch = epoch
+        self._barrier(f"every worker to start epoch {epoch}")
+
+    def next_batch(self) -> int | None:
+        """The next global batch index of the current epoch, or None when the epoch is exhausted."""
+        self._check_open()
+        if self.epoch is None:
+            raise RuntimeError("next_batch() before start_epoch(): call start_epoch(epoch, num_batches) first")
+        if self.rank == 0:
+            assert self.queue is not None
+            index = self.queue.take(0, self.epoch)
+        else:
+            hbuf, works, _, _ = self._request(Kind.NEXT_BATCH, -1, 0, None, None, None, arg0=self.epoch)
+            index = self._finish(hbuf, works, 0, "next_batch()").arg0
+        if index < 0:
+            return None
+        self.m.batches += 1
+        return index
+
+    def request_stop(self) -> None:
+        """Raise the stop flag on every PS rank (seen by the others at their next reply or query)."""
+        self._check_open()
+        self.stop.set()
+        for r in range(self.world_size):
+            if r != self.rank:
+                self._send_simple(Kind.STOP, r)
+
+    def stop_requested(self) -> bool:
+        return self.stop.is_set() or self._remote_stop
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: every shard's params, buffers, optimizer state, version and clocks (on every rank)."""
+        self._check_open()
+        self._barrier("every worker to reach state_dict()")
+        assert self.server is not None
+        blob = self.server.state_bytes()
+        blobs = [blob]
+        if self.world_size > 1:
+            mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            size = torch.tensor([mine.numel()], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            self._coll_wait(dist.all_gather(sizes, size, group=self.coll_group, async_op=True), "checkpoint sizes")
+            longest = max(int(s) for s in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: mine.numel()] = mine
+            parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            self._coll_wait(dist.all_gather(parts, padded, group=self.coll_group, async_op=True), "checkpoint shards")
+            blobs = [parts[r][: int(sizes[r])].numpy().tobytes() for r in range(self.world_size)]
+        shards = [load_state_bytes(b) for b in blobs]
+        return {
+            "format": STATE_FORMAT,
+            "mode": self.cfg.mode,
+            "num_shards": self.plan.num_shards,
+            "plan_signature": self.plan.signature(),
+            "shards": shards,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Collective: restore every shard from :meth:`state_dict` output (given on every rank), then pull."""
+        self._check_open()
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a PS state dict (expected format {STATE_FORMAT!r})")
+        if state["num_shards"] != self.plan.num_shards or state["plan_signature"] != self.plan.signature():
+            raise ValueError(
+                f"PS state was saved with {state['num_shards']} shards of another model/plan; this job has "
+                f"{self.plan.num_shards} shards (same model, world size and max_shard_bytes are needed)"
+            )
+        self._barrier("every worker to reach load_state_dict()")
+        assert self.server is not None
+        self.server.load_state(state["shards"][self.server.shard])
+        self._barrier("every shard to load its state")
+        self._pull_all("the pull after load_state_dict()")
+
+    # -- metrics and teardown ---------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """This worker's PS counters (names without the ``ivy/`` prefix)."""
+        m = self.m
+        return {
+            "pushes": float(m.pushes),
+            "pulls": float(m.pulls),
+            "staleness_mean": m.staleness_sum / m.pushes if m.pushes else 0.0,
+            "staleness_max": float(m.staleness_max),
+            "bytes_sent": float(m.bytes_sent),
+            "bytes_received": float(m.bytes_received),
+            "wait_seconds": m.wait_seconds,
+            "batches": float(m.batches),
+        }
+
+    def server_versions(self) -> dict[int, int]:
+        """Version of the shard this rank serves (local, no communication)."""
+        assert self.server is not None
+        with self.server.cond:
+            return {self.server.shard: self.server.version}
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("PSClient is closed")
+        if self.server is not None and self.server.error is not None:
+            raise PSProtocolError(f"the PS shard on rank {self.rank} failed: {self.server.error}")
+
+    def close(self) -> None:
+        """Stop the server thread (after every peer said BYE) and destroy the PS groups. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.world_size == 1:
+            return
+        assert self.channel is not None and self.loop is not None
+        err: BaseException | None = None
+        try:
+            for r in range(self.world_size):
+                if r != self.rank:
+                    self.channel.send(r, Header(kind=Kind.BYE, sender=self.rank), wait=True)
+            self.loop.join(self.cfg.timeout)
+            if self.loop.is_alive():
+                raise PSTimeoutError(
+                    f"timed out after {self.cfg.timeout:g} s on rank {self.rank} waiting for every other rank to "
+                    f"close the PS ({self.loop.byes} of {self.world_size - 1} said goodbye)"
+                )
+            self.channel.flush()
+            self._barrier("every rank to close the PS")
+        except BaseException as exc:
+            err = exc
+        if err is None:
+            dist.destroy_process_group(self.p2p_group)
+            dist.destroy_process_group(self.coll_group)
+        if err is not None:
+            raise err

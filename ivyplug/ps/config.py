@@ -1,0 +1,78 @@
+"""Validated configuration of the parameter server (no torch import: usable before spawning)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+MODES: tuple[str, ...] = ("sync", "async", "ssp")
+STALENESS_SCALINGS: tuple[str, ...] = ("inverse", "none")
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """How the parameter server runs.
+
+    ``mode``: ``"sync"`` (all workers' gradients of a step combined, weighted by sample count),
+    ``"async"`` (each push applied on arrival) or ``"ssp"`` (async, but a worker blocks while it is more
+    than ``staleness`` steps ahead of the slowest live worker). ``staleness`` is required for ``ssp`` and
+    refused otherwise. ``staleness_scaling="inverse"`` scales a gradient of staleness tau >= 1 by 1/tau
+    (async/ssp only). ``timeout`` bounds every wait on the PS, in seconds. ``num_servers=0`` co-locates one
+    shard with each worker; ``k > 0`` runs k dedicated CPU server processes. ``max_shard_bytes`` splits
+    larger tensors row-wise.
+    """
+
+    mode: str = "async"
+    staleness: int | None = None
+    staleness_scaling: str = "inverse"
+    timeout: float = DEFAULT_TIMEOUT_S
+    num_servers: int = 0
+    max_shard_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"PSConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "ssp":
+            if self.staleness is None or isinstance(self.staleness, bool) or not isinstance(self.staleness, int):
+                raise ValueError(f"PSConfig.staleness must be an int >= 0 when mode='ssp', got {self.staleness!r}")
+            if self.staleness < 0:
+                raise ValueError(f"PSConfig.staleness must be >= 0, got {self.staleness}")
+        elif self.staleness is not None:
+            raise ValueError(
+                f"PSConfig.staleness is only meaningful with mode='ssp' (got staleness={self.staleness!r} "
+                f"with mode={self.mode!r}); use mode='ssp' or staleness=None"
+            )
+        if self.staleness_scaling not in STALENESS_SCALINGS:
+            raise ValueError(
+                f"PSConfig.staleness_scaling must be one of {STALENESS_SCALINGS}, got {self.staleness_scaling!r}"
+            )
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not math.isfinite(self.timeout)
+            or self.timeout <= 0
+        ):
+            raise ValueError(f"PSConfig.timeout must be a finite number of seconds > 0, got {self.timeout!r}")
+        if isinstance(self.num_servers, bool) or not isinstance(self.num_servers, int) or self.num_servers < 0:
+            raise ValueError(f"PSConfig.num_servers must be an int >= 0, got {self.num_servers!r}")
+        if self.max_shard_bytes is not None and (
+            isinstance(self.max_shard_bytes, bool)
+            or not isinstance(self.max_shard_bytes, int)
+            or self.max_shard_bytes <= 0
+        ):
+            raise ValueError(f"PSConfig.max_shard_bytes must be None or an int > 0, got {self.max_shard_bytes!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> PSConfig:
+        """Build from keyword arguments, refusing unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown PSConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for logging and hyperparameter saving)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,124 @@
+"""The server thread of a co-located rank: receives requests from any peer and answers them.
+
+It reads a fixed-size header from any source, then the payloads from that sender (see messages.py), and
+hands the request to the shard (server.py) or the batch queue (dispatch.py). Replies that must wait are
+parked on the shard and sent by whichever thread makes them ready. The loop ends after a BYE from every
+peer rank, so closing is a natural rendezvous: no rank tears down while another may still ask it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+
+import torch
+
+from ivyplug.ps.dispatch import BatchQueue
+from ivyplug.ps.messages import Flag, Header, Kind, Status
+from ivyplug.ps.server import ShardServer
+from ivyplug.ps.transport import Channel
+
+
+class ServerLoop(threading.Thread):
+    """Background thread serving one rank's shard (and, on rank 0, the batch queue) to its peers."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        server: ShardServer | None,
+        queue: BatchQueue | None,
+        num_peers: int,
+        stop: threading.Event,
+    ) -> None:
+        super().__init__(name=f"ivyplug-ps-server-{channel.rank}", daemon=True)
+        self.channel = channel
+        self.server = server
+        self.queue = queue
+        self.num_peers = num_peers
+        self.stop = stop
+        self.byes = 0
+        self.error: BaseException | None = None
+
+    def _flags(self) -> int:
+        return Flag.STOP if self.stop.is_set() else 0
+
+    def _reply(self, to: int, request: Header, data: torch.Tensor | None = None, **args: int) -> None:
+        shard = self.server.shard if self.server is not None else -1
+        h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=shard, seq=request.seq, flags=self._flags(), **args)
+        self.channel.send(to, h, data, reply=True, wait=False)
+
+    def _reply_error(self, to: int, request: Header) -> None:
+        h = Header(kind=Kind.REPLY, sender=self.channel.rank, seq=request.seq, status=Status.ERROR, flags=self._flags())
+        self.channel.send(to, h, None, reply=True, wait=False)
+
+    def run(self) -> None:
+        while self.byes < self.num_peers:
+            try:
+                header = self.channel.recv_request_header()
+                data, hyper = self.channel.recv_request_payload(header)
+            except BaseException as exc:  # the group is unusable: record and end
+                self.error = exc
+                print(f"[ivyplug.ps] server loop on rank {self.channel.rank} ended: {exc}", file=sys.stderr, flush=True)
+                if self.server is not None:
+                    self.server.fail(exc)
+                return
+            try:
+                self._handle(header, data, hyper)
+            except BaseException as exc:
+                print(
+                    f"[ivyplug.ps] rank {self.channel.rank} failed on a kind-{header.kind} request from rank "
+                    f"{header.sender}:\n{traceback.format_exc()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if self.server is not None:
+                    self.server.fail(exc)
+                if header.kind in (Kind.PUSH_PULL, Kind.PULL, Kind.NEXT_BATCH):
+                    self._reply_error(header.sender, header)
+
+    def _handle(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        w = h.sender
+        if h.kind in (Kind.PUSH_PULL, Kind.PULL, Kind.NORM, Kind.IDLE) and self.server is None:
+            raise RuntimeError(f"rank {self.channel.rank} serves no shard but got a kind-{h.kind} request")
+        if h.kind == Kind.PUSH_PULL:
+            srv = self.server
+            assert srv is not None and data is not None and hyper is not None
+            if h.shard != srv.shard:
+                raise RuntimeError(f"push for shard {h.shard} reached the server of shard {srv.shard}")
+
+            def deliver(snap: torch.Tensor, version: int, staleness: int, srv: ShardServer = srv) -> None:
+                self._reply(w, h, snap, arg0=staleness, arg1=version, arg2=srv.clock[w])
+
+            with srv.cond:
+                srv._check_error()
+                tau = srv.push(w, data, hyper)
+                srv.park(w, tau, deliver)
+        elif h.kind == Kind.PULL:
+            srv = self.server
+            assert srv is not None
+            with srv.cond:
+                srv._check_error()
+                snap, version = srv.snapshot(w)
+                self._reply(w, h, snap, arg0=0, arg1=version, arg2=srv.clock[w])
+        elif h.kind == Kind.IDLE:
+            assert self.server is not None
+            with self.server.cond:
+                self.server.set_idle(w)
+        elif h.kind == Kind.NORM:
+            assert self.server is not None and hyper is not None
+            with self.server.cond:
+                self.server.note_norm(h.arg0, h.arg1, float(hyper[0]))
+        elif h.kind == Kind.NEXT_BATCH:
+            if self.queue is None:
+                raise RuntimeError(f"rank {self.channel.rank} holds no batch queue (ask rank 0)")
+            self._reply(w, h, None, arg0=self.queue.take(w, h.arg0))
+        elif h.kind == Kind.STOP:
+            self.stop.set()
+        elif h.kind == Kind.BYE:
+            self.byes += 1
+            if self.server is not None and w < self.server.num_workers:
+                with self.server.cond:
+                    self.server.set_idle(w)
+        else:
+            raise RuntimeError(f"unknown message kind {h.kind} from rank {w}")

@@ -1,0 +1,115 @@
+"""Wire format: a fixed-size, versioned int64 header, then the payload from that sender.
+
+gloo aborts the process (SIGABRT, uncatchable) when a receive-from-any-source gets a message of another
+size, so every message a server receives from "anyone" is exactly ``HEADER_LEN`` int64 values. The header
+names the sender and the sizes of what follows; the server then receives the payloads *from that sender*
+with their own tags. Payloads are plain tensors (fp32 data, fp64 hyperparameters); nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = 0x1B5F_5053  # "ivy PS"
+WIRE_VERSION = 1
+HEADER_LEN = 16
+
+# tags on the PS point-to-point group
+TAG_REQUEST = 11  # headers sent to a server (received from any source)
+TAG_REQUEST_DATA = 12  # fp32 payload of a request (received from the header's sender)
+TAG_REQUEST_HYPER = 13  # fp64 payload of a request
+TAG_REPLY = 21  # reply headers (received from the server a worker asked)
+TAG_REPLY_DATA = 22  # fp32 payload of a reply
+
+
+class Kind:
+    """Message kinds (header field ``kind``)."""
+
+    PUSH_PULL = 1  # gradients (+ buffers, hyperparameters) in; fresh params (+ buffers) out
+    PULL = 2  # fresh params (+ buffers) out
+    IDLE = 3  # the worker leaves the SSP clock set until its next push (epoch end, sync)
+    BYE = 4  # the worker (or peer server) is done: the server loop ends after all peers said it
+    NEXT_BATCH = 5  # next batch index of the epoch (arg0 = epoch)
+    STOP = 6  # raise the stop flag
+    NORM = 7  # server to server: squared norm of a combined sync step (hyper payload = [sq_norm])
+    REPLY = 16
+
+
+class Status:
+    OK = 0
+    ERROR = 1
+
+
+class Flag:
+    STOP = 1
+
+
+@dataclass
+class Header:
+    """Decoded header. ``arg0..arg3`` meaning depends on ``kind`` (documented at each use)."""
+
+    kind: int
+    sender: int
+    shard: int = -1
+    numel: int = 0  # fp32 payload elements that follow
+    n_hyper: int = 0  # fp64 payload elements that follow
+    seq: int = 0
+    status: int = Status.OK
+    flags: int = 0
+    arg0: int = 0
+    arg1: int = 0
+    arg2: int = 0
+    arg3: int = 0
+
+    def encode(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        t = out if out is not None else torch.empty(HEADER_LEN, dtype=torch.int64)
+        t.zero_()
+        vals = [
+            MAGIC,
+            WIRE_VERSION,
+            self.kind,
+            self.sender,
+            self.shard,
+            self.numel,
+            self.n_hyper,
+            self.seq,
+            self.status,
+            self.flags,
+            self.arg0,
+            self.arg1,
+            self.arg2,
+            self.arg3,
+        ]
+        t[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
+        return t
+
+    @staticmethod
+    def decode(t: torch.Tensor) -> Header:
+        v = t.tolist()
+        if v[0] != MAGIC:
+            raise RuntimeError(f"PS protocol error: bad header magic {v[0]:#x} (expected {MAGIC:#x})")
+        if v[1] != WIRE_VERSION:
+            raise RuntimeError(
+                f"PS protocol error: peer speaks wire version {v[1]}, this process speaks {WIRE_VERSION} "
+                "(mixed ivyplug versions in one job?)"
+            )
+        return Header(
+            kind=v[2],
+            sender=v[3],
+            shard=v[4],
+            numel=v[5],
+            n_hyper=v[6],
+            seq=v[7],
+            status=v[8],
+            flags=v[9],
+            arg0=v[10],
+            arg1=v[11],
+            arg2=v[12],
+            arg3=v[13],
+        )
+
+
+def empty_header() -> torch.Tensor:
+    return torch.zeros(HEADER_LEN, dtype=torch.int64)

@@ -1,0 +1,223 @@
+"""Deterministic assignment of parameter tensors (and buffers) to PS shards.
+
+Whole tensors go to one shard, so a layer's LAMB trust ratio is computed where the whole layer lives.
+The plan is greedy by bytes (largest first onto the least-loaded shard, ties broken by index), followed
+by a bounded local search (moves and swaps off the fullest shard) that only accepts strict improvements.
+Every process computes the same plan from the same shapes; nothing random, nothing order-of-arrival.
+
+A parameter larger than ``max_shard_bytes`` is split along dim 0 into row blocks that are placed like
+separate tensors. Consequence for LAMB: the trust ratio is then computed per row block, not per layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: Bytes per element of what the servers hold (fp32 master copies).
+MASTER_ITEMSIZE = 4
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name and shape of one parameter or buffer; ``kind`` is ``"param"`` or ``"buffer"``."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str = "param"
+    is_float: bool = True  # integer buffers (BatchNorm's num_batches_tracked) follow the max rule
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A row block ``[row_start, row_end)`` of tensor ``index`` (whole tensor: all rows), on ``shard``.
+
+    ``offset`` is where its elements start in the shard's flat fp32 vector. For 0-d tensors
+    ``row_start == 0`` and ``row_end == 1``.
+    """
+
+    index: int
+    kind: str
+    row_start: int
+    row_end: int
+    numel: int
+    shard: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * MASTER_ITEMSIZE
+
+
+@dataclass
+class ShardPlan:
+    """The assignment: ``pieces[s]`` lists shard s's pieces in flat-vector order (params, then buffers)."""
+
+    specs: tuple[TensorSpec, ...]
+    num_shards: int
+    max_shard_bytes: int | None
+    pieces: list[list[Piece]] = field(default_factory=list)
+
+    def shard_numel(self, shard: int) -> int:
+        return sum(p.numel for p in self.pieces[shard])
+
+    def shard_param_numel(self, shard: int) -> int:
+        return sum(p.numel for p in self.pieces[shard] if p.kind == "param")
+
+    def shard_bytes(self) -> list[int]:
+        return [sum(p.nbytes for p in ps) for ps in self.pieces]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.shard_bytes())
+
+    @property
+    def ideal_bytes(self) -> float:
+        """Perfectly even split of all bytes."""
+        return self.total_bytes / self.num_shards
+
+    @property
+    def balance(self) -> float:
+        """Largest shard / ideal (1.0 is perfect; 1.0 for an empty model)."""
+        if self.total_bytes == 0:
+            return 1.0
+        return max(self.shard_bytes()) / self.ideal_bytes
+
+    @property
+    def lower_bound_bytes(self) -> float:
+        """No whole-piece plan can have a largest shard below this: max(ideal, largest piece)."""
+        largest = max((p.nbytes for ps in self.pieces for p in ps), default=0)
+        return max(self.ideal_bytes, float(largest))
+
+    def nonempty_shards(self) -> list[int]:
+        return [s for s, ps in enumerate(self.pieces) if ps]
+
+    def split_tensors(self) -> list[str]:
+        """Names of tensors that were split row-wise."""
+        seen: dict[int, int] = {}
+        for ps in self.pieces:
+            for p in ps:
+                seen[p.index] = seen.get(p.index, 0) + 1
+        return [self.specs[i].name for i, n in sorted(seen.items()) if n > 1]
+
+    def report(self) -> dict[str, object]:
+        """Balance report: bytes per shard, ideal, largest/ideal, lower bound, split tensors."""
+        return {
+            "num_shards": self.num_shards,
+            "shard_bytes": self.shard_bytes(),
+            "ideal_bytes": self.ideal_bytes,
+            "balance": self.balance,
+            "lower_bound_bytes": self.lower_bound_bytes,
+            "split_tensors": self.split_tensors(),
+        }
+
+    def signature(self) -> int:
+        """63-bit hash of the specs and the plan (ranks compare it to detect different models)."""
+        h = hashlib.sha256()
+        h.update(repr((self.num_shards, self.max_shard_bytes)).encode())
+        for s in self.specs:
+            h.update(repr((s.name, s.shape, s.kind)).encode())
+        return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _items(specs: Sequence[TensorSpec], max_shard_bytes: int | None) -> list[tuple[int, str, int, int, int]]:
+    """Unplaced pieces as (index, kind, row_start, row_end, numel)."""
+    items: list[tuple[int, str, int, int, int]] = []
+    for i, spec in enumerate(specs):
+        numel = spec.numel
+        rows = spec.shape[0] if spec.shape else 1
+        nbytes = numel * MASTER_ITEMSIZE
+        if (
+            spec.kind == "param"
+            and max_shard_bytes is not None
+            and nbytes > max_shard_bytes
+            and len(spec.shape) >= 1
+            and rows > 1
+        ):
+            row_numel = numel // rows
+            rows_per_piece = max(1, max_shard_bytes // (row_numel * MASTER_ITEMSIZE))
+            for start in range(0, rows, rows_per_piece):
+                end = min(rows, start + rows_per_piece)
+                items.append((i, spec.kind, start, end, (end - start) * row_numel))
+        else:
+            items.append((i, spec.kind, 0, rows, numel))
+    return items
+
+
+def _refine(sizes: list[int], assign: list[int], num_shards: int) -> None:
+    """Strictly improving moves/swaps off the fullest shard (deterministic, bounded)."""
+    loads = [0] * num_shards
+    for k, s in enumerate(assign):
+        loads[s] += sizes[k]
+    for _ in range(4 * len(sizes) + 8):
+        a = max(range(num_shards), key=lambda s: (loads[s], -s))
+        best: tuple[int, int, int, int] | None = None  # (new_pair_max, x, y or -1, b)
+        members = [k for k in range(len(sizes)) if assign[k] == a]
+        for b in range(num_shards):
+            if b == a:
+                continue
+            others = [k for k in range(len(sizes)) if assign[k] == b]
+            for x in members:
+                cand = max(loads[a] - sizes[x], loads[b] + sizes[x])
+                if cand < loads[a] and (best is None or cand < best[0]):
+                    best = (cand, x, -1, b)
+                for y in others:
+                    if sizes[y] >= sizes[x]:
+                        continue
+                    d = sizes[x] - sizes[y]
+                    cand = max(loads[a] - d, loads[b] + d)
+                    if cand < loads[a] and (best is None or cand < best[0]):
+                        best = (cand, x, y, b)
+        if best is None:
+            return
+        _, x, y, b = best
+        assign[x] = b
+        loads[a] -= sizes[x]
+        loads[b] += sizes[x]
+        if y >= 0:
+            assign[y] = a
+            loads[b] -= sizes[y]
+            loads[a] += sizes[y]
+
+
+def build_plan(specs: Sequence[TensorSpec], num_shards: int, max_shard_bytes: int | None = None) -> ShardPlan:
+    """Assign every parameter/buffer (or row block) to one of ``num_shards`` shards, deterministically."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be None or > 0, got {max_shard_bytes!r}")
+    for spec in specs:
+        if spec.kind not in ("param", "buffer"):
+            raise ValueError(f"TensorSpec.kind must be 'param' or 'buffer', got {spec.kind!r} for {spec.name!r}")
+    items = _items(specs, max_shard_bytes)
+    sizes = [it[4] * MASTER_ITEMSIZE for it in items]
+    order = sorted(range(len(items)), key=lambda k: (-sizes[k], k))
+    loads = [0] * num_shards
+    assign = [0] * len(items)
+    for k in order:
+        target = min(range(num_shards), key=lambda j: (loads[j], j))
+        assign[k] = target
+        loads[target] += sizes[k]
+    if len(items) <= 4096:
+        _refine(sizes, assign, num_shards)
+    plan = ShardPlan(specs=tuple(specs), num_shards=num_shards, max_shard_bytes=max_shard_bytes)
+    for shard in range(num_shards):
+        mine = [k for k in range(len(items)) if assign[k] == shard]
+        # params first, then buffers; within a kind by tensor index and row
+        mine.sort(key=lambda k: (items[k][1] != "param", items[k][0], items[k][2]))
+        offset = 0
+        shard_pieces: list[Piece] = []
+        for k in mine:
+            index, kind, r0, r1, numel = items[k]
+            shard_pieces.append(Piece(index, kind, r0, r1, numel, shard, offset))
+            offset += numel
+        plan.pieces.append(shard_pieces)
+    return plan

@@ -1,0 +1,150 @@
+"""Point-to-point messaging over a gloo process group, with a timeout on every wait a worker makes.
+
+The server loop's receive-from-any-source is the only wait without our timeout: on this torch/gloo a
+timed-out any-source receive leaves the group broken (the next message aborts the process), so the loop
+blocks until a message arrives and ends on BYE messages from every peer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ivyplug.ps.messages import (
+    TAG_REPLY,
+    TAG_REPLY_DATA,
+    TAG_REQUEST,
+    TAG_REQUEST_DATA,
+    TAG_REQUEST_HYPER,
+    Header,
+    empty_header,
+)
+
+
+class PSTimeoutError(TimeoutError):
+    """A wait on the parameter server took longer than ``PSConfig.timeout``."""
+
+
+class PSProtocolError(RuntimeError):
+    """A peer sent something this process did not expect, or a server failed."""
+
+
+def wait_work(work: Any, timeout: float, what: str) -> None:
+    """Wait for a torch.distributed Work with a deadline; raise PSTimeoutError naming ``what``."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        msg = str(exc)
+        if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
+            raise PSTimeoutError(f"timed out after {timeout:g} s waiting for {what}") from exc
+        raise PSProtocolError(f"communication failed while waiting for {what}: {msg}") from exc
+
+
+class Channel:
+    """Sends and receives PS messages on one process group (``rank`` = this process's rank in it)."""
+
+    def __init__(self, group: Any, rank: int, timeout: float) -> None:
+        self.group = group
+        self.rank = rank
+        self.timeout = timeout
+        self._send_lock = threading.Lock()
+        self._pending: deque[tuple[Any, tuple[torch.Tensor, ...]]] = deque()
+
+    # -- sending -------------------------------------------------------------------------------
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        return self.group.send([tensor], dst, tag)
+
+    def send(
+        self,
+        dst: int,
+        header: Header,
+        data: torch.Tensor | None = None,
+        hyper: torch.Tensor | None = None,
+        *,
+        reply: bool = False,
+        wait: bool = True,
+    ) -> int:
+        """Send header then payloads atomically w.r.t. other threads; returns bytes sent.
+
+        With ``wait=False`` the tensors are kept alive until :meth:`flush` finds the sends done.
+        """
+        header.numel = 0 if data is None else data.numel()
+        header.n_hyper = 0 if hyper is None else hyper.numel()
+        h = header.encode()
+        tensors: list[torch.Tensor] = [h]
+        works = []
+        with self._send_lock:
+            works.append(self._isend(h, dst, TAG_REPLY if reply else TAG_REQUEST))
+            if data is not None and data.numel() > 0:
+                tensors.append(data)
+                works.append(self._isend(data, dst, TAG_REPLY_DATA if reply else TAG_REQUEST_DATA))
+            if hyper is not None and hyper.numel() > 0:
+                if reply:
+                    raise PSProtocolError("replies carry no fp64 payload")
+                tensors.append(hyper)
+                works.append(self._isend(hyper, dst, TAG_REQUEST_HYPER))
+            if not wait:
+                for w in works:
+                    self._pending.append((w, tuple(tensors)))
+        if wait:
+            for w in works:
+                wait_work(w, self.timeout, f"rank {dst} to accept a message (kind {header.kind})")
+        else:
+            self._prune()
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _prune(self, limit: int = 256) -> None:
+        while True:
+            with self._send_lock:
+                if len(self._pending) <= limit:
+                    return
+                w, _ = self._pending.popleft()
+            wait_work(w, self.timeout, "a peer to accept a reply")
+
+    def flush(self) -> None:
+        """Wait for every send started with ``wait=False``."""
+        while True:
+            with self._send_lock:
+                if not self._pending:
+                    return
+                w, _ = self._pending.popleft()
+            wait_work(w, self.timeout, "a peer to accept a reply")
+
+    # -- receiving -----------------------------------------------------------------------------
+    def recv_request_header(self) -> Header:
+        """Block until any peer sends a request header (server loop only; see module docstring)."""
+        t = empty_header()
+        work = self.group.recv_anysource([t], TAG_REQUEST)
+        work.wait()
+        return Header.decode(t)
+
+    def recv_request_payload(self, header: Header) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Receive the fp32 and fp64 payloads announced by ``header`` from its sender."""
+        data = hyper = None
+        works = []
+        if header.numel > 0:
+            data = torch.empty(header.numel, dtype=torch.float32)
+            works.append(self.group.recv([data], header.sender, TAG_REQUEST_DATA))
+        if header.n_hyper > 0:
+            hyper = torch.empty(header.n_hyper, dtype=torch.float64)
+            works.append(self.group.recv([hyper], header.sender, TAG_REQUEST_HYPER))
+        for w in works:
+            wait_work(w, self.timeout, f"the payload of a kind-{header.kind} message from rank {header.sender}")
+        return data, hyper
+
+    def post_reply(self, src: int, data: torch.Tensor | None) -> tuple[torch.Tensor, list[Any]]:
+        """Post receives for a reply header (and fp32 payload into ``data``) from ``src`` before asking."""
+        h = empty_header()
+        works = [self.group.recv([h], src, TAG_REPLY)]
+        if data is not None and data.numel() > 0:
+            works.append(self.group.recv([data], src, TAG_REPLY_DATA))
+        return h, works
+
+    def wait_reply(self, h: torch.Tensor, works: list[Any], what: str) -> Header:
+        for w in works:
+            wait_work(w, self.timeout, what)
+        return Header.decode(h)

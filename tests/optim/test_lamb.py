@@ -1,0 +1,398 @@
+"""LAMB against an independent float64 reference, kernel agreement, and the documented edge-case policies."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ivyplug.optim import LAMB, lamb, lamb_param_groups
+from ivyplug.optim import functional as F
+from tests.optim.reference import RefGroup, RefLamb
+
+STEPS = 32
+
+
+def _random_params(gen: torch.Generator, shapes: list[tuple[int, ...]], scales: list[float]) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.randn(s, generator=gen) * sc) for s, sc in zip(shapes, scales, strict=True)]
+
+
+def _random_grads(gen: torch.Generator, params: list[nn.Parameter], scale: float = 1.0) -> list[torch.Tensor]:
+    # Per-element scales vary so that v differs between elements (bias correction and eps matter).
+    return [torch.randn(p.shape, generator=gen) * scale * (0.1 + torch.rand(p.shape, generator=gen)) for p in params]
+
+
+def _run_against_reference(
+    seed: int,
+    *,
+    foreach: bool,
+    bias_correction: bool,
+    max_grad_norm: float | None,
+    grad_scale: float,
+) -> tuple[LAMB, RefLamb, list[nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(17, 9), (9,), (23, 5), (5,), (31, 4), (12, 6), (6,)]
+    # Scales chosen so that, in group 2, ||x||/||u|| sits far below min_trust_ratio (0.01-scale weights) and, in
+    # group 3, far above max_trust_ratio: both clip bounds bind.
+    scales = [1.0, 0.5, 0.01, 0.3, 20.0, 0.0, 1.0]
+    params = _random_params(gen, shapes, scales)
+    base = {"bias_correction": bias_correction}
+    groups = [
+        {"params": [params[0], params[1]], "lr": 0.01, "weight_decay": 0.05, **base},
+        {"params": [params[2]], "lr": 0.02, "weight_decay": 0.0, "min_trust_ratio": 0.5, **base},
+        {"params": [params[4], params[5]], "lr": 0.005, "weight_decay": 0.1, "max_trust_ratio": 2.0, **base},
+        {
+            "params": [params[3], params[6]],
+            "lr": 0.003,
+            "weight_decay": 0.0,
+            "exclude_from_layer_adaptation": True,
+            "betas": (0.8, 0.99),
+            "eps": 1e-4,
+            **base,
+        },
+    ]
+    opt = LAMB(groups, foreach=foreach, max_grad_norm=max_grad_norm)
+    ref_groups = [
+        RefGroup([0, 1], lr=0.01, weight_decay=0.05, bias_correction=bias_correction),
+        RefGroup([2], lr=0.02, weight_decay=0.0, min_trust_ratio=0.5, bias_correction=bias_correction),
+        RefGroup([4, 5], lr=0.005, weight_decay=0.1, max_trust_ratio=2.0, bias_correction=bias_correction),
+        RefGroup(
+            [3, 6],
+            lr=0.003,
+            weight_decay=0.0,
+            exclude_from_layer_adaptation=True,
+            betas=(0.8, 0.99),
+            eps=1e-4,
+            bias_correction=bias_correction,
+        ),
+    ]
+    ref = RefLamb([p.detach().double().numpy() for p in params], ref_groups, max_grad_norm=max_grad_norm)
+    for _ in range(STEPS):
+        grads = _random_grads(gen, params, grad_scale)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        ref.step([g.double().numpy() for g in grads])
+        for p, g in zip(params, grads, strict=True):
+            assert torch.equal(p.grad, g), "the optimizer must not modify .grad"
+    return opt, ref, params
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("max_grad_norm", [None, 1.5])
+def test_matches_float64_reference(foreach: bool, bias_correction: bool, max_grad_norm: float | None) -> None:
+    seed = 1000 + 4 * int(foreach) + 2 * int(bias_correction) + int(max_grad_norm is not None)
+    opt, ref, params = _run_against_reference(
+        seed, foreach=foreach, bias_correction=bias_correction, max_grad_norm=max_grad_norm, grad_scale=3.0
+    )
+    for i, p in enumerate(params):
+        expected = ref.params[i]
+        got = p.detach().double().numpy()
+        scale = max(np.abs(expected).max(), 1e-3)
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5 * scale, err_msg=f"param {i}")
+    ratios = opt.trust_ratios()
+    for i, p in enumerate(params):
+        assert ratios[p] == pytest.approx(ref.ratios[i], rel=1e-4), f"trust ratio of param {i}"
+    # The clip bounds really bound (min in group 2, max in group 3) and the excluded group got ratio 1.
+    assert ratios[params[2]] == 0.5
+    assert ratios[params[4]] == 2.0
+    assert ratios[params[3]] == 1.0 and ratios[params[6]] == 1.0
+    # param 5 started at zero: ratio 1 on the first step, then it is no longer zero and adapts.
+    assert not torch.all(params[5] == 0)
+
+
+def test_global_clipping_binds_and_skips_nothing() -> None:
+    """With max_grad_norm active the result differs from the unclipped run (so the clip was applied)."""
+    _, _, clipped = _run_against_reference(7, foreach=False, bias_correction=True, max_grad_norm=0.5, grad_scale=3.0)
+    _, _, plain = _run_against_reference(7, foreach=False, bias_correction=True, max_grad_norm=None, grad_scale=3.0)
+    assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(clipped, plain, strict=True))
+
+
+def _random_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(13, 32),
+        nn.LayerNorm(32),
+        nn.ReLU(),
+        nn.Linear(32, 64),
+        nn.Tanh(),
+        nn.Linear(64, 7),
+    )
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+@pytest.mark.parametrize("max_grad_norm", [None, 0.7])
+def test_foreach_matches_loop(seed: int, max_grad_norm: float | None) -> None:
+    """Two kernels, same model, same batches: parameters agree to 1e-6 relative after 30+ steps."""
+    model_a = _random_model(seed)
+    model_b = copy.deepcopy(model_a)
+    opt_a = LAMB(lamb_param_groups(model_a, weight_decay=0.02), lr=3e-3, foreach=False, max_grad_norm=max_grad_norm)
+    opt_b = LAMB(lamb_param_groups(model_b, weight_decay=0.02), lr=3e-3, foreach=True, max_grad_norm=max_grad_norm)
+    gen = torch.Generator().manual_seed(seed + 100)
+    for _ in range(STEPS):
+        x = torch.randn(16, 13, generator=gen)
+        y = torch.randint(0, 7, (16,), generator=gen)
+        for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        err = (a - b).abs().max().item()
+        assert err <= 1e-6 * max(a.abs().max().item(), 1e-6), f"{name}: max abs diff {err}"
+    assert opt_a.param_groups[0]["foreach"] is False and opt_b.param_groups[0]["foreach"] is True
+
+
+def test_functional_entry_point_matches_optimizer() -> None:
+    gen = torch.Generator().manual_seed(11)
+    params = _random_params(gen, [(8, 8), (8,)], [1.0, 1.0])
+    twins = [p.detach().clone() for p in params]
+    opt = LAMB(params, lr=0.01, weight_decay=0.03, foreach=False)
+    m = [torch.zeros_like(t) for t in twins]
+    v = [torch.zeros_like(t) for t in twins]
+    steps = [torch.zeros(()) for _ in twins]
+    ws = F.Workspace()
+    for _ in range(5):
+        grads = _random_grads(gen, params)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        ratios = lamb(twins, grads, m, v, steps, foreach=True, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-6,
+                      weight_decay=0.03, workspace=ws)  # fmt: skip
+        assert len(ratios) == 2
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p.detach(), t, rtol=1e-6, atol=1e-7)
+    assert all(s.item() == 5 for s in steps)
+    with pytest.raises(ValueError, match="same length"):
+        lamb(twins, grads[:1], m, v, steps, lr=0.1, beta1=0.9, beta2=0.9, eps=1e-6, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_zero_initialised_params_move(foreach: bool) -> None:
+    w = nn.Parameter(torch.zeros(6, 4))
+    b = nn.Parameter(torch.zeros(4))
+    opt = LAMB([w, b], lr=0.1, foreach=foreach)
+    w.grad = torch.randn(6, 4)
+    b.grad = torch.randn(4)
+    opt.step()
+    assert w.abs().min() > 0 and b.abs().min() > 0
+    assert opt.trust_ratios() == {w: 1.0, b: 1.0}
+    # ratio 1 with ||x|| = 0: the first update is exactly lr * m̂/(√v̂+ε) = lr * g/(|g|+ε) (decay of 0 adds 0).
+    g = w.grad.double()
+    torch.testing.assert_close(w.detach().double(), -0.1 * g / (g.abs() + 1e-6), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_gradient_skips_whole_step(foreach: bool, bad: float) -> None:
+    gen = torch.Generator().manual_seed(5)
+    params = _random_params(gen, [(5, 5), (5,), (3, 2)], [1.0, 1.0, 1.0])
+    opt = LAMB([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=0.01, foreach=foreach)
+    for p, g in zip(params, _random_grads(gen, params), strict=True):
+        p.grad = g
+    opt.step()
+    before_params = [p.detach().clone() for p in params]
+    before_state = copy.deepcopy(opt.state_dict())
+    ratios_before = opt.trust_ratios()
+    grads = _random_grads(gen, params)
+    grads[2][1, 1] = bad  # in the *last* group: earlier groups must not have been touched either
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    opt.step()
+    assert opt.skipped_steps == 1
+    for p, q in zip(params, before_params, strict=True):
+        assert torch.equal(p.detach(), q)
+    after_state = opt.state_dict()
+    assert after_state["skipped_steps"] == 1
+    for key, st in before_state["state"].items():
+        for name, value in st.items():
+            assert torch.equal(after_state["state"][key][name], value), name
+    assert opt.trust_ratios() == ratios_before
+    # A finite step afterwards runs normally (step count 2).
+    for p, g in zip(params, _random_grads(gen, params), strict=True):
+        p.grad = g
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert all(opt.state[p]["step"].item() == 2 for p in params)
+
+
+def test_sparse_gradient_raises() -> None:
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = LAMB(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"lr": -1.0}, "lr"),
+        ({"lr": float("nan")}, "lr"),
+        ({"betas": (1.0, 0.999)}, r"betas\[0\]"),
+        ({"betas": (0.9, -0.1)}, r"betas\[1\]"),
+        ({"betas": (0.9,)}, "betas"),
+        ({"eps": -1e-8}, "eps"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"max_trust_ratio": 0.0}, "max_trust_ratio"),
+        ({"min_trust_ratio": -1.0}, "min_trust_ratio"),
+        ({"min_trust_ratio": 2.0, "max_trust_ratio": 1.0}, "min_trust_ratio"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"max_grad_norm": float("inf")}, "max_grad_norm"),
+        ({"foreach": "yes"}, "foreach"),
+        ({"bias_correction": 1}, "bias_correction"),
+    ],
+)
+def test_invalid_hyperparameters_raise_value_error(kwargs: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        LAMB([nn.Parameter(torch.zeros(2))], **kwargs)  # type: ignore[arg-type]
+
+
+def test_invalid_group_value_raises_and_is_not_added() -> None:
+    opt = LAMB([nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="weight_decay"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "weight_decay": -1.0})
+    with pytest.raises(ValueError, match="exclude_from_layer_adaptation"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "exclude_from_layer_adaptation": "yes"})
+    assert len(opt.param_groups) == 1
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("foreach", [None, True])
+def test_state_dict_round_trip_continues_bit_identically(foreach: bool | None) -> None:
+    gen = torch.Generator().manual_seed(21)
+    batches = [(torch.randn(8, 13, generator=gen), torch.randint(0, 7, (8,), generator=gen)) for _ in range(12)]
+    model = _random_model(9)
+    opt = LAMB(lamb_param_groups(model), lr=1e-2, foreach=foreach, max_grad_norm=1.0)
+    _train(model, opt, batches[:5])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+
+    resumed_model = _random_model(123)  # different init, overwritten by the checkpoint
+    resumed_model.load_state_dict(ckpt["model"])
+    resumed = LAMB(lamb_param_groups(resumed_model), lr=0.5, max_grad_norm=1.0)  # lr comes from the checkpoint
+    resumed.load_state_dict(ckpt["opt"])
+    assert resumed.param_groups[0]["foreach"] == opt.param_groups[0]["foreach"]
+
+    _train(model, opt, batches[5:])
+    _train(resumed_model, resumed, batches[5:])
+    for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], resumed.state[q][key])
+
+
+def test_kernel_choice_is_resolved_recorded_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = nn.Parameter(torch.randn(4, 4))
+    opt = LAMB([p])
+    assert opt.param_groups[0]["foreach"] is None
+    p.grad = torch.randn(4, 4)
+    opt.step()
+    # The documented device rule: the per-tensor loop on CPU.
+    assert opt.param_groups[0]["foreach"] is False
+    assert opt.state_dict()["param_groups"][0]["foreach"] is False
+
+    calls: list[str] = []
+    real_multi, real_single = F._multi_tensor_lamb, F._single_tensor_lamb
+    monkeypatch.setattr(F, "_multi_tensor_lamb", lambda *a, **k: calls.append("multi") or real_multi(*a, **k))
+    monkeypatch.setattr(F, "_single_tensor_lamb", lambda *a, **k: calls.append("single") or real_single(*a, **k))
+
+    saved = LAMB([p], foreach=True)
+    saved.step()
+    resumed = LAMB([p])  # foreach=None here, but the checkpoint says multi-tensor
+    resumed.load_state_dict(saved.state_dict())
+    resumed.step()
+    opt.step()
+    assert calls == ["multi", "multi", "single"]
+
+
+@pytest.mark.parametrize("scheduler", ["step", "lambda"])
+def test_lr_schedulers_change_the_lr_used(scheduler: str) -> None:
+    gen = torch.Generator().manual_seed(31)
+    params = _random_params(gen, [(6, 5), (5,)], [1.0, 1.0])
+    opt = LAMB(params, lr=0.05, weight_decay=0.01, foreach=False)
+    if scheduler == "step":
+        sched: torch.optim.lr_scheduler.LRScheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.2)
+
+        def lr_at(t: int) -> float:
+            return 0.05 * 0.2 ** ((t - 1) // 3)
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch))
+
+        def lr_at(t: int) -> float:
+            return 0.05 / t
+
+    ref = RefLamb([p.detach().double().numpy() for p in params], [RefGroup([0, 1], lr_at=lr_at)])
+    for _ in range(10):
+        grads = _random_grads(gen, params)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        sched.step()
+        ref.step([g.double().numpy() for g in grads])
+    for p, r in zip(params, ref.params, strict=True):
+        np.testing.assert_allclose(p.detach().double().numpy(), r, rtol=1e-5, atol=1e-6)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(11))
+
+
+def test_trust_ratios_empty_before_first_step_and_closure_runs() -> None:
+    p = nn.Parameter(torch.randn(3, 3))
+    opt = LAMB([p])
+    assert opt.trust_ratios() == {}
+
+    def closure() -> float:
+        opt.zero_grad()
+        loss = (p * p).sum()
+        loss.backward()
+        return float(loss.detach())
+
+    loss = opt.step(closure)
+    assert loss is not None and math.isfinite(loss)
+    (ratio,) = opt.trust_ratios().values()
+    assert isinstance(ratio, float) and 0.0 <= ratio <= 10.0
+
+
+def test_pickle_and_deepcopy_keep_counters() -> None:
+    p = nn.Parameter(torch.randn(3))
+    opt = LAMB([p], max_grad_norm=2.0)
+    p.grad = torch.tensor([float("nan"), 0.0, 0.0])
+    opt.step()
+    twin = copy.deepcopy(opt)
+    assert twin.skipped_steps == 1 and twin.max_grad_norm == 2.0
+
+
+def test_trust_ratio_rule() -> None:
+    assert F.trust_ratio(0.0, 3.0, 0.0, 10.0) == 1.0
+    assert F.trust_ratio(3.0, 0.0, 0.0, 10.0) == 1.0
+    assert F.trust_ratio(1.0, 100.0, 0.1, 10.0) == 0.1
+    assert F.trust_ratio(100.0, 1.0, 0.1, 10.0) == 10.0
+    assert F.trust_ratio(2.0, 4.0, 0.1, 10.0) == 0.5
+    t = F._trust_ratio_tensor(torch.tensor([0.0, 3.0, 1.0, 100.0, 2.0]), torch.tensor([3.0, 0.0, 100.0, 1.0, 4.0]),
+                              0.1, 10.0)  # fmt: skip
+    assert t.tolist() == [1.0, 1.0, pytest.approx(0.1), 10.0, 0.5]
+
+
+def test_workspace_reuses_and_grows() -> None:
+    ws = F.Workspace()
+    a = [torch.zeros(4, 3), torch.zeros(5)]
+    first = ws.views(a)
+    assert [v.shape for v in first] == [(4, 3), (5,)]
+    assert ws.views(a)[0].data_ptr() == first[0].data_ptr()
+    assert first[1].data_ptr() != first[0].data_ptr()
+    big = ws.views([torch.zeros(100)])
+    assert big[0].numel() == 100 and ws.nbytes() == 400
+    assert F._chunks([torch.zeros(3), torch.zeros(3), torch.zeros(10), torch.zeros(1)], 6) == [(0, 2), (2, 3), (3, 4)]

@@ -6,6 +6,7 @@ bytes, time waiting on the PS) are all-gathered first; every rank then logs the 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -25,13 +26,18 @@ class PSMetricsLogger(Callback):
             return
         names = sorted(local)
         values = torch.tensor([float(local[n]) for n in names], dtype=torch.float64)
-        gathered = self._strategy.all_gather(values)
-        if gathered.dim() == 1:
-            gathered = gathered.unsqueeze(0)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            parts = [torch.empty_like(values) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(parts, values)
+            gathered = torch.stack(parts)
+        else:
+            gathered = values.unsqueeze(0)
         self.last = {}
         for rank in range(gathered.shape[0]):
             for i, name in enumerate(names):
                 key = f"ivy/rank{rank}/{name}"
                 value = float(gathered[rank, i])
                 self.last[key] = value
-                pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=False, reduce_fx="max")
+                with warnings.catch_warnings():  # the values are already gathered: no sync_dist needed
+                    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+                    pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=False, reduce_fx="max")

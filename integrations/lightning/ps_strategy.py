@@ -386,5 +386,4 @@ class IvyPSStrategy(DDPStrategy):
         if self._client is None:
             raise RuntimeError("IvyPSStrategy.load_optimizer_state_dict called before the PS client started")
         self.optimizers[0].load_state_dict(state["worker_optimizer"])
-        self._client.load_state_dict(state[CHECKPOINT_KEY])
-        self._client.sync()
+        self._client.load_state_dict(state[CHECKPOINT_KEY])  # collective; ends with every rank pulling

@@ -11,11 +11,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ivyplug.integrations.lightning.load_balancer import IvyLoadBalancer as IvyLoadBalancer
     from ivyplug.integrations.lightning.ps_strategy import IvyPSStrategy as IvyPSStrategy
 
 #: Public name -> module that defines it.
 _LAZY: dict[str, str] = {
     "IvyPSStrategy": "ivyplug.integrations.lightning.ps_strategy",
+    "IvyLoadBalancer": "ivyplug.integrations.lightning.load_balancer",
 }
 
 __all__ = sorted(_LAZY)

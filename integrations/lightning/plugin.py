@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ivyplug.components import Strategy
+from ivyplug.components import Callback, Strategy
 from ivyplug.hookspecs import hookimpl
 
 _REGISTRATION = "ivyplug.integrations.lightning.registration"
@@ -32,4 +32,14 @@ def ivyplug_strategies() -> Iterator[Strategy]:
         f"{_REGISTRATION}:ivy_ps_ssp",
         framework="lightning",
         description="parameter-server training, stale-synchronous (bounded staleness, default 4 steps)",
+    )
+
+
+@hookimpl
+def ivyplug_callbacks() -> Iterator[Callback]:
+    yield Callback(
+        "ivy_load_balancer",
+        "ivyplug.integrations.lightning.load_balancer:IvyLoadBalancer",
+        framework="lightning",
+        description="load-aware batch size, per-rank shares, LR rescaling, OOM recovery",
     )

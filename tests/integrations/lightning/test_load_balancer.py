@@ -1,0 +1,175 @@
+"""IvyLoadBalancer on one process: batch size follows a scripted load, LR follows the rule, OOMs are
+recovered without losing samples, unsupported loaders are monitored only, checkpoints hold the state."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from ivyplug.integrations.lightning.load_balancer import IvyLoadBalancer
+from ivyplug.integrations.lightning.share_sampler import ShareBatchSampler, epoch_order
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+from ivyplug.load import OutOfMemoryRecoveryError, ScriptedProbe
+from tests.integrations.lightning.lb_models import DigitsMLP, digits_dataset, trainer_kwargs
+
+IDLE = {"cpu_util": 20.0, "mem_used": 3.0, "mem_total": 10.0}
+BAND = {"cpu_util": 20.0, "mem_used": 7.5, "mem_total": 10.0}
+FULL = {"cpu_util": 50.0, "mem_used": 9.5, "mem_total": 10.0}
+
+
+def _fit(model: DigitsMLP, cb: IvyLoadBalancer, **kw: object) -> pl.Trainer:
+    trainer = pl.Trainer(callbacks=[cb], **trainer_kwargs(**kw))
+    trainer.fit(model)
+    return trainer
+
+
+def _per_epoch(model: DigitsMLP) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for epoch, idx in model.seen:
+        out.setdefault(epoch, []).append(idx)
+    return out
+
+
+@pytest.mark.parametrize(("optimizer", "rule"), [("adam", "sqrt"), ("sgd", "linear")])
+def test_idle_grows_then_memory_pressure_shrinks_with_lr_rescaled(optimizer: str, rule: str, tmp_path: Path) -> None:
+    model = DigitsMLP(batch_size=32, n=256, optimizer=optimizer, lr=0.01)
+    probe = ScriptedProbe([IDLE, BAND, FULL], clock=lambda: model.current_epoch)
+    cb = IvyLoadBalancer(probes=[probe], interval=0.05, max_batch_size=128)
+    trainer = _fit(model, cb, max_epochs=3)
+
+    assert [(h["batch_size"], h["next_batch_size"]) for h in cb.history] == [(32, 64), (64, 64), (64, 32)]
+    assert "grow" in cb.history[0]["reason"] and "shrink" in cb.history[2]["reason"]
+    # the loader really changed: epoch 1 trained on batches of 64, and every sample once per epoch
+    sizes = Counter(model.batch_sizes)
+    assert sizes[(0, 32)] == 8 and sizes[(1, 64)] == 4 and sizes[(2, 64)] == 4
+    for epoch, indices in _per_epoch(model).items():
+        assert sorted(indices) == list(range(256)), epoch
+    factors = [h["lr_factor"] for h in cb.history]
+    expected_up = 2.0 if rule == "linear" else 2.0**0.5
+    assert factors == pytest.approx([expected_up, expected_up, 1.0], rel=1e-12)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01, rel=1e-12)
+
+    logged = trainer.logged_metrics
+    for key in ("ivy/batch_size", "ivy/lr_factor", "ivy/utilization", "ivy/memory_fraction", "ivy/share"):
+        assert key in logged
+    assert float(logged["ivy/rank0/samples"]) == 256.0 and float(logged["ivy/batch_size"]) == 32.0
+
+    path = tmp_path / "lb.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["callbacks"]
+    saved = next(v for k, v in state.items() if "IvyLoadBalancer" in k)
+    restored = IvyLoadBalancer()
+    restored.load_state_dict(saved)
+    assert restored.batch_size == 32 and restored.shares == [32] and restored.lr_factor == pytest.approx(1.0)
+    assert restored.policy_state == cb.policy_state and len(restored.history) == 3
+
+
+def test_same_permutation_as_lightning_distributed_sampler() -> None:
+    data = digits_dataset(100)
+    for epoch in (0, 3):
+        ds = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=7)
+        ds.set_epoch(epoch)
+        assert epoch_order(100, epoch, 7, shuffle=True) == list(ds)
+        sampler = ShareBatchSampler(100, 10, [7, 3], rank=1, epoch=epoch, seed=7, shuffle=True)
+        order = list(ds)
+        assert list(sampler) == [order[s * 10 + 7 : s * 10 + 10] for s in range(10)]
+
+
+class _FirstEpochParams(pl.Callback):
+    """Parameters after the first epoch (before batch-size decisions make two runs differ)."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, torch.Tensor] = {}
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 0:
+            self.params = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def test_oom_is_recovered_with_the_same_result_and_no_lost_samples() -> None:
+    def run(oom_above: int | None) -> tuple[DigitsMLP, IvyLoadBalancer, dict[str, torch.Tensor]]:
+        model = DigitsMLP(batch_size=32, n=128, optimizer="sgd", lr=0.1, oom_above=oom_above, seed=3)
+        cb = IvyLoadBalancer(probes=[ScriptedProbe([BAND])], interval=0.05, seed=0)
+        snapshot = _FirstEpochParams()
+        trainer = pl.Trainer(callbacks=[cb, snapshot], **trainer_kwargs(max_epochs=2))
+        trainer.fit(model)
+        return model, cb, snapshot.params
+
+    plain, _, plain_params = run(None)
+    split, cb, split_params = run(12)
+    # 32 -> 2 x 16 still too big -> 4 x 8 fits; every sample trained once per epoch, in the same order
+    assert _per_epoch(split) == _per_epoch(plain)
+    assert Counter(split.batch_sizes)[(0, 8)] == 16
+    # epoch 0: OOM at 32 and at 16, then 4 parts stick for the epoch; B drops to 16, which OOMs once more
+    assert cb.oom_count == 3
+    assert [h["next_batch_size"] for h in cb.history] == [16, 8] and "out of memory" in cb.history[0]["reason"]
+    # the micro-batch gradients add up to the whole-batch gradient: same parameters as without OOMs
+    assert plain_params.keys() == split_params.keys()
+    for name, value in plain_params.items():
+        torch.testing.assert_close(split_params[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_oom_beyond_the_split_limit_is_a_clear_error() -> None:
+    model = DigitsMLP(batch_size=32, n=64, oom_above=0)
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([BAND])], interval=0.05, max_oom_splits=4)
+    with pytest.raises(OutOfMemoryRecoveryError, match="4 micro-batches"):
+        _fit(model, cb, max_epochs=1)
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        data = digits_dataset(64)
+        return iter(zip(*data.tensors, strict=True))
+
+
+def test_iterable_dataset_is_monitored_only() -> None:
+    model = DigitsMLP(batch_size=16, n=64)
+    model.train_dataloader = lambda: DataLoader(_Stream(), batch_size=16)  # type: ignore[method-assign]
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([IDLE])], interval=0.05)
+    with pytest.warns(UserWarning, match="IterableDataset.*monitoring only"):
+        trainer = _fit(model, cb, max_epochs=2)
+    assert cb.monitoring_only is not None and cb.batch_size is None
+    assert Counter(model.batch_sizes) == {(0, 16): 4, (1, 16): 4}
+    assert "ivy/cpu_util" in trainer.logged_metrics
+
+
+def test_bad_arguments_name_the_parameter() -> None:
+    for kwargs, match in (
+        ({"interval": 0}, "interval"),
+        ({"lr_scaling": "cubic"}, "lr_scaling"),
+        ({"comm_hook": "ignore"}, "comm_hook"),
+        ({"min_batch_size": 8, "max_batch_size": 4}, "max_batch_size"),
+        ({"max_oom_splits": 1}, "max_oom_splits"),
+        ({"speed_smoothing": 1.0}, "speed_smoothing"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            IvyLoadBalancer(**kwargs)  # type: ignore[arg-type]
+
+
+def test_unknown_optimizer_with_auto_rule_fails_at_fit_start() -> None:
+    model = DigitsMLP(batch_size=32, n=64)
+    model.configure_optimizers = lambda: torch.optim.Adagrad(model.parameters())  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="Adagrad"):
+        _fit(model, IvyLoadBalancer(probes=[ScriptedProbe([IDLE])]), max_epochs=1)
+
+
+def test_a_users_comm_hook_is_refused_on_request() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    strategy = DDPStrategy(ddp_comm_hook=default_hooks.allreduce_hook)
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(devices=2))
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([IDLE])], comm_hook="refuse")
+    with pytest.raises(ValueError, match="torch allows one hook per model"):
+        cb.setup(trainer, DigitsMLP(), "fit")
+    composed = IvyLoadBalancer(probes=[ScriptedProbe([IDLE])])
+    composed.setup(trainer, DigitsMLP(), "fit")
+    try:
+        assert strategy._ddp_comm_hook is None  # Lightning will not register it: ours calls it
+        assert composed._user_hook is not None and composed._user_hook[0] is default_hooks.allreduce_hook
+    finally:
+        composed.teardown(trainer, DigitsMLP(), "fit")

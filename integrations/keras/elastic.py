@@ -176,10 +176,16 @@ class ElasticDataset:
             self._segments.append(Segment(step, position, b))
         self._push()
 
-    def restart(self, batch_size: int | None = None) -> None:
-        """Start a new stream at step 0 (a new ``fit`` call creates a new iterator that starts at batch 0)."""
+    def restart(self, batch_size: int | None = None, start_position: int = 0) -> None:
+        """Begin a new schedule at step 0 (each ``fit`` call iterates afresh from batch 0).
+
+        ``start_position`` is the stream position of batch 0: pass the position reached so far to
+        continue the stream, or an epoch's first position to replay that epoch.
+        """
         b = self._check_batch_size(self.batch_size if batch_size is None else batch_size)
-        self._segments = [Segment(0, 0, b)]
+        if isinstance(start_position, bool) or not isinstance(start_position, (int, np.integer)) or start_position < 0:
+            raise ValueError(f"start_position must be an integer >= 0, got {start_position!r}")
+        self._segments = [Segment(0, int(start_position), b)]
         if self._produced is not None:
             self._produced.assign(-1)
         self._push()

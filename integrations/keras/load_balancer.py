@@ -1,0 +1,492 @@
+"""``IvyLoadBalancer`` for Keras: load-aware global batch size and learning rate inside ``model.fit``.
+
+The decisions are ivyplug's framework-free core (:mod:`ivyplug.load`): probes polled by a background
+:class:`~ivyplug.load.Sampler`, :class:`~ivyplug.load.BatchSizePolicy` for the batch size and
+:func:`~ivyplug.load.lr_factor` for the learning rate. This module only wires them into Keras:
+
+* **Once per epoch, identical everywhere.** At each epoch end every worker turns its sampler window
+  into a :class:`~ivyplug.load.LoadObservation`; the observations are exchanged with one cross-replica
+  ``SUM`` reduce through ``self.model.distribute_strategy`` (each worker writes its own slot of a
+  zero vector, so the sum copies the values exactly), then every worker runs the same pure policy on
+  the same inputs and reaches the same decision. Every worker makes the same collective call in the
+  same order, which MultiWorkerMirroredStrategy requires. (Callbacks run outside the strategy scope, so
+  ``tf.distribute.get_strategy()`` would be the default strategy there.)
+* **Batch size** changes go through :class:`~ivyplug.integrations.keras.elastic.ElasticDataset`: the
+  new size is scheduled at the first step the input pipeline has not produced yet (``lag`` steps after
+  the last consumed one) and is a multiple of the number of replicas.
+* **Learning rate** is multiplied by ``lr_factor(old, new, rule)`` with ``optimizer.learning_rate.assign``
+  in ``on_train_batch_begin`` of exactly that step, when the new batch size reaches the model.
+  ``lr_scaling="auto"`` is the square-root rule for Adam-family optimizers and LAMB, linear for SGD.
+  An optimizer driven by a ``LearningRateSchedule`` has no variable to assign: ``fit`` then stops at
+  ``on_train_begin`` with a ``ValueError`` unless ``lr_scaling="none"``.
+* **Metrics** go into ``logs`` at each epoch end (so into ``History``, TensorBoard and the progress bar):
+  ``ivy/batch_size``, ``ivy/lr_factor`` (current LR / LR at the start), ``ivy/utilization``,
+  ``ivy/memory_fraction``, ``ivy/oom_count``, the epoch mean of every probe reading as ``ivy/<key>``
+  (``ivy/cpu_util``, ``ivy/mem_used``, ``ivy/gpu0_util``, ...) and, with several workers,
+  ``ivy/worker{w}/utilization`` and ``ivy/worker{w}/memory_fraction``. With ``log_every_n_steps`` the
+  latest readings are also added to the batch logs every n steps.
+
+Out of memory: a ``tf.errors.ResourceExhaustedError`` raised by a training step leaves ``model.fit``
+(no callback hook can catch it, and the step's batch is gone). What Keras allows is to shrink the batch
+and retry the epoch: :func:`fit_with_oom_recovery` catches the error, lets the policy shrink B (and cap
+it, as after any OOM), rescales the LR, replays the failed epoch's data from its first sample with the
+smaller batch and continues with ``initial_epoch`` = the failed epoch; after ``max_retries`` OOMs it raises
+:class:`~ivyplug.load.OutOfMemoryRecoveryError`. Steps of the failed epoch that ran before the OOM have
+already updated the weights. This works for one worker (single device or MirroredStrategy); under
+MultiWorkerMirroredStrategy the peers of the failed worker stay blocked in a collective, so there the
+OOM propagates.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from ivyplug.integrations.keras.elastic import ElasticDataset
+
+from ivyplug.load import (
+    BatchSizePolicy,
+    LoadObservation,
+    OutOfMemoryRecoveryError,
+    PolicyState,
+    Probe,
+    Sampler,
+    ScriptedProbe,
+    is_oom_error,
+    lr_factor,
+    observation_from_summary,
+    resolve_rule,
+)
+
+#: Probes polled when none are given (the torch allocator probe is for torch training).
+DEFAULT_PROBES: tuple[str, ...] = ("nvml", "psutil")
+_SLOT = 5  # per-worker observation: util, util known, memory fraction, memory known, oom count
+
+
+def _make_probe(spec: str | Mapping[str, Any] | Probe) -> Probe:
+    if isinstance(spec, Probe):
+        return spec
+    from ivyplug.registry import get_registry
+
+    if isinstance(spec, str):
+        return get_registry().get("probe", spec)()
+    if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+        kwargs = {k: v for k, v in spec.items() if k != "name"}
+        return get_registry().get("probe", spec["name"])(**kwargs)
+    raise ValueError(f"probes must hold probe names, {{'name': ..., **kwargs}} dicts or Probe objects, got {spec!r}")
+
+
+def _probe_config(spec: str | Mapping[str, Any] | Probe) -> str | dict[str, Any]:
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    if isinstance(spec, ScriptedProbe) and spec.clock is None:
+        return {"name": "scripted", "trace": spec.trace, "loop": spec.loop}
+    raise ValueError(
+        f"probe {spec!r} cannot be written to a config: pass probes by name or as {{'name': ..., **kwargs}} dicts"
+    )
+
+
+def _inner_optimizer(model: Any) -> Any:
+    optimizer = model.optimizer
+    return getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+
+
+class IvyLoadBalancer(keras.callbacks.Callback):
+    """Adapt the global batch size (and learning rate) to device load during ``model.fit``.
+
+    Args:
+        dataset: the :class:`ElasticDataset` that feeds ``fit``; without one the callback only monitors.
+        probes: probe names from the registry (``"nvml"``, ``"psutil"``, ``"scripted"``...), ``{"name": ...,
+            **kwargs}`` dicts or probe objects; default :data:`DEFAULT_PROBES`.
+        interval: seconds between background samples.
+        min_batch_size, max_batch_size: bounds of the global batch size (default: a quarter and four times
+            the initial one, within the data set size); rounded to multiples of the replica count.
+        grow_factor, shrink_factor, grow_below_utilization, memory_low, memory_high, cooldown,
+            min_relative_change: the :class:`~ivyplug.load.BatchSizePolicy` rules.
+        lr_scaling: ``"auto"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
+        device_index: the GPU index whose readings decide (``None``: host CPU and memory).
+        log_every_n_steps: add the latest readings to the batch logs every n steps (``None``: epoch logs only).
+
+    Example::
+
+        data = ElasticDataset(x_train, y_train, batch_size=64)
+        with strategy.scope():
+            model = build_model()
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        balancer = IvyLoadBalancer(data, max_batch_size=512)
+        history = model.fit(data.tf_dataset(strategy), steps_per_epoch=data.steps_per_epoch, epochs=10,
+                            callbacks=[balancer])
+        history.history["ivy/batch_size"]  # the global batch size at the end of each epoch
+    """
+
+    def __init__(
+        self,
+        dataset: ElasticDataset | None = None,
+        *,
+        probes: Sequence[str | Mapping[str, Any] | Probe] | None = None,
+        interval: float = 1.0,
+        min_batch_size: int | None = None,
+        max_batch_size: int | None = None,
+        grow_factor: float = 2.0,
+        shrink_factor: float = 0.5,
+        grow_below_utilization: float = 70.0,
+        memory_low: float = 0.6,
+        memory_high: float = 0.9,
+        cooldown: int = 1,
+        min_relative_change: float = 0.05,
+        lr_scaling: str = "auto",
+        device_index: int | None = None,
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        if dataset is not None and not isinstance(dataset, ElasticDataset):
+            raise ValueError(f"dataset must be an ElasticDataset or None, got {type(dataset).__name__}")
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < math.inf:
+            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        for name, value in (("device_index", device_index), ("log_every_n_steps", log_every_n_steps)):
+            low = 0 if name == "device_index" else 1
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be None or an int >= {low}, got {value!r}")
+        resolve_rule(lr_scaling, "SGD")  # validates the rule name
+        self._policy_args: dict[str, Any] = {
+            "grow_factor": grow_factor,
+            "shrink_factor": shrink_factor,
+            "grow_below_utilization": grow_below_utilization,
+            "memory_low": memory_low,
+            "memory_high": memory_high,
+            "cooldown": cooldown,
+            "min_relative_change": min_relative_change,
+        }
+        bounds = (min_batch_size or 1, max_batch_size or max(min_batch_size or 1, 1))
+        BatchSizePolicy(*bounds, **self._policy_args)  # validates every policy argument now
+        self.dataset = dataset
+        self.probe_specs = list(DEFAULT_PROBES if probes is None else probes)
+        for spec in self.probe_specs:
+            if not isinstance(spec, (str, Mapping, Probe)):
+                raise ValueError(f"probes must hold names, dicts or Probe objects, got {spec!r}")
+        self.interval = float(interval)
+        self.min_batch_size = min_batch_size
+        self.max_batch_size = max_batch_size
+        self.lr_scaling = lr_scaling
+        self.device_index = device_index
+        self.log_every_n_steps = log_every_n_steps
+
+        self.policy: BatchSizePolicy | None = None
+        self.policy_state: PolicyState | None = None
+        self.sampler: Sampler | None = None
+        self.epoch = 0  # the epoch in progress (a ScriptedProbe clock can read it)
+        self.step = 0  # global steps consumed in the current fit
+        self.lr_factor = 1.0  # current LR / LR when training started
+        self.oom_count = 0
+        self.decisions: list[tuple[int, int, int, str]] = []  # (epoch, old B, new B, reason)
+        self.epoch_start_positions: dict[int, int] = {}
+        self._rule = "none"
+        self._pending: list[tuple[int, float]] = []  # (step, LR factor) not applied yet
+        self._next_start: tuple[int, int] | None = None  # (B, stream position) for the next fit
+        self._chunk_begin = 0
+
+    # ----------------------------------------------------------------- config
+    def get_config(self) -> dict[str, Any]:
+        """Constructor arguments as plain values (the dataset is not part of the config)."""
+        return {
+            "probes": [_probe_config(p) for p in self.probe_specs],
+            "interval": self.interval,
+            "min_batch_size": self.min_batch_size,
+            "max_batch_size": self.max_batch_size,
+            **self._policy_args,
+            "lr_scaling": self.lr_scaling,
+            "device_index": self.device_index,
+            "log_every_n_steps": self.log_every_n_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], dataset: ElasticDataset | None = None) -> IvyLoadBalancer:
+        """Build from a config dict (``get_config()`` output, or a hand-written subset of it)."""
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config must be a dict of IvyLoadBalancer arguments, got {config!r}")
+        known = set(cls(None).get_config())
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"unknown IvyLoadBalancer config keys {unknown}; allowed: {sorted(known)}")
+        return cls(dataset, **dict(config))
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def strategy(self) -> Any:
+        return self.model.distribute_strategy
+
+    def _replicas(self) -> int:
+        return int(self.strategy.num_replicas_in_sync)
+
+    def _round(self, batch_size: int) -> int:
+        assert self.dataset is not None
+        r = self._replicas()
+        top = (self.dataset.num_samples // r) * r
+        return max(r, min(top, (batch_size // r) * r))
+
+    def _build_policy(self) -> None:
+        assert self.dataset is not None
+        b0 = self.dataset.batch_size
+        low = self._round(self.min_batch_size if self.min_batch_size is not None else max(1, b0 // 4))
+        high = self._round(self.max_batch_size if self.max_batch_size is not None else b0 * 4)
+        self.policy = BatchSizePolicy(min(low, high), max(low, high), **self._policy_args)
+
+    def _current_lr(self) -> float:
+        return float(np.asarray(keras.ops.convert_to_numpy(_inner_optimizer(self.model).learning_rate)))
+
+    def _apply_lr(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        variable = _inner_optimizer(self.model).learning_rate
+        variable.assign(self._current_lr() * factor)
+        self.lr_factor *= factor
+
+    # ----------------------------------------------------------------- hooks
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        optimizer = _inner_optimizer(self.model)
+        self._rule = resolve_rule(self.lr_scaling, optimizer)
+        if self._rule != "none" and isinstance(
+            getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule
+        ):
+            raise ValueError(
+                "IvyLoadBalancer rescales the learning rate with optimizer.learning_rate.assign, but this optimizer "
+                "uses a LearningRateSchedule; pass lr_scaling='none' (or use a constant learning rate)"
+            )
+        self.step = 0
+        self._pending = [(0, f) for _, f in self._pending]  # left over from an interrupted fit: apply first
+        if self.dataset is None:
+            warnings.warn(
+                "IvyLoadBalancer has no ElasticDataset: it monitors load but cannot change the batch size",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            if self.dataset.num_replicas != self._replicas():
+                raise ValueError(
+                    f"the ElasticDataset was built for {self.dataset.num_replicas} replica(s) but the model's "
+                    f"strategy has {self._replicas()}: pass model.distribute_strategy to tf_dataset()"
+                )
+            batch, position = self._next_start or (self.dataset.batch_size, self.dataset.position_at(0))
+            self.dataset.restart(batch, start_position=position)
+            if self.policy is None:
+                self._build_policy()
+        if self.sampler is None:
+            self.sampler = Sampler([_make_probe(p) for p in self.probe_specs], interval=self.interval)
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epoch = epoch
+        if self.dataset is not None:
+            self.epoch_start_positions[epoch] = self.dataset.position_at(self.step)
+        if self.sampler is not None:
+            self.sampler.reset_window()
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._chunk_begin = batch
+        while self._pending and self._pending[0][0] <= self.step:
+            self._apply_lr(self._pending.pop(0)[1])
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.step += batch - self._chunk_begin + 1
+        n = self.log_every_n_steps
+        if n is not None and logs is not None and self.sampler is not None and self.step % n == 0:
+            logs.update({f"ivy/{k}": v for k, v in self.sampler.latest().items()})
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        assert self.sampler is not None
+        summary = self.sampler.summary()
+        if not summary:  # an epoch shorter than the sampling interval
+            self.sampler.sample_now()
+            summary = self.sampler.summary()
+        local = observation_from_summary(summary, self.device_index, self.oom_count)
+        workers = self._exchange(local)
+        observation = _combine(workers)
+        metrics: dict[str, float] = {f"ivy/{k}": float(s.mean) for k, s in summary.items()}
+        if self.dataset is not None:
+            # OOMs were acted on when they happened (shrink_after_oom); the count is for the logs only.
+            self._decide(epoch, replace(observation, oom_count=0))
+            metrics["ivy/batch_size"] = float(self.dataset.batch_size_at(max(self.step - 1, 0)))
+        metrics["ivy/lr_factor"] = float(self.lr_factor)
+        metrics["ivy/oom_count"] = float(observation.oom_count)
+        if observation.utilization is not None:
+            metrics["ivy/utilization"] = float(observation.utilization)
+        if observation.memory_fraction is not None:
+            metrics["ivy/memory_fraction"] = float(observation.memory_fraction)
+        if len(workers) > 1:
+            for w, obs in enumerate(workers):
+                if obs.utilization is not None:
+                    metrics[f"ivy/worker{w}/utilization"] = float(obs.utilization)
+                if obs.memory_fraction is not None:
+                    metrics[f"ivy/worker{w}/memory_fraction"] = float(obs.memory_fraction)
+        if logs is not None:
+            logs.update(metrics)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self.dataset is not None:
+            # The next fit starts a new iterator at batch 0: continue the stream, with what is scheduled.
+            self._next_start = (self.dataset.batch_size, self.dataset.position_at(self.step))
+        self._pending = [(0, f) for _, f in self._pending]
+        self.close()
+
+    def close(self) -> None:
+        """Stop the sampler thread (``on_train_end`` does this)."""
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+
+    # ----------------------------------------------------------------- decisions
+    def _exchange(self, local: LoadObservation) -> list[LoadObservation]:
+        """Every worker's observation, identical on every worker (one SUM reduce per epoch)."""
+        strategy = self.strategy
+        replicas = int(strategy.num_replicas_in_sync)
+        if replicas == 1:
+            return [local]
+        per_worker = len(strategy.extended.worker_devices)
+        workers = replicas // per_worker
+        row = np.array(
+            [
+                local.utilization or 0.0,
+                float(local.utilization is not None),
+                local.memory_fraction or 0.0,
+                float(local.memory_fraction is not None),
+                float(local.oom_count),
+            ],
+            dtype=np.float32,
+        )
+
+        def slot(context: Any) -> tf.Tensor:
+            vector = np.zeros(workers * _SLOT, dtype=np.float32)
+            replica = context.replica_id_in_sync_group
+            if replica % per_worker == 0:  # one writer per worker
+                w = replica // per_worker
+                vector[w * _SLOT : (w + 1) * _SLOT] = row
+            return tf.constant(vector)
+
+        values = strategy.experimental_distribute_values_from_function(slot)
+        total = np.asarray(strategy.reduce("SUM", values, axis=None)).reshape(workers, _SLOT)
+        return [
+            LoadObservation(
+                utilization=float(u) if uk else None,
+                memory_fraction=float(m) if mk else None,
+                oom_count=round(float(o)),
+            )
+            for u, uk, m, mk, o in total
+        ]
+
+    def _decide(self, epoch: int, observation: LoadObservation) -> None:
+        assert self.dataset is not None and self.policy is not None
+        old = self.dataset.batch_size
+        decision = self.policy.decide(old, observation, self.policy_state)
+        self.policy_state = decision.state
+        new = self._round(decision.batch_size)
+        if not decision.changed or new == old:
+            return
+        at = self.dataset.earliest_change_step(self.step)
+        every = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        at = math.ceil(at / every) * every
+        self.dataset.set_batch_size(new, at_step=at)
+        self._pending.append((at, lr_factor(old, new, self._rule)))
+        self.decisions.append((epoch, old, new, decision.reason))
+
+    def shrink_after_oom(self) -> int:
+        """Record an out-of-memory error and return the smaller batch size the policy picks."""
+        assert self.dataset is not None and self.policy is not None
+        self.oom_count += 1
+        old = self.dataset.batch_size
+        decision = self.policy.decide(old, LoadObservation(oom_count=1), self.policy_state)
+        self.policy_state = decision.state
+        new = self._round(decision.batch_size)
+        if new >= old:
+            raise OutOfMemoryRecoveryError(
+                f"out of memory at the smallest global batch size ({old}); lower min_batch_size or the model size"
+            )
+        self.decisions.append((self.epoch, old, new, decision.reason))
+        self._pending = [(0, f) for _, f in self._pending] + [(0, lr_factor(old, new, self._rule))]
+        self._next_start = (new, self.epoch_start_positions.get(self.epoch, 0))
+        self.dataset.restart(*self._next_start)
+        return new
+
+
+def _combine(workers: list[LoadObservation]) -> LoadObservation:
+    from ivyplug.load import combine_observations
+
+    return combine_observations(workers)
+
+
+def fit_with_oom_recovery(
+    model: Any,
+    data: ElasticDataset,
+    balancer: IvyLoadBalancer,
+    *,
+    epochs: int,
+    max_retries: int = 3,
+    **fit_kwargs: Any,
+) -> keras.callbacks.History:
+    """``model.fit`` over ``data`` that survives out-of-memory errors by shrinking the batch.
+
+    On a ``ResourceExhaustedError`` (or another OOM, see :func:`ivyplug.load.is_oom_error`) the
+    balancer's policy lowers B, the LR is rescaled, and the failed epoch is replayed from its first
+    sample. Returns one ``History`` over all epochs; ``steps_per_epoch`` is one pass at the current B.
+    """
+    if not isinstance(data, ElasticDataset):
+        raise ValueError(f"data must be the ElasticDataset the balancer was built with, got {type(data).__name__}")
+    if balancer.dataset is not data:
+        raise ValueError("data must be the ElasticDataset the balancer was built with, not another one")
+    assert data is not None  # narrowed by the identity check above
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+    for key in ("x", "y", "steps_per_epoch", "initial_epoch", "epochs"):
+        if key in fit_kwargs:
+            raise ValueError(f"fit_with_oom_recovery sets {key!r} itself")
+    fit_kwargs.setdefault("shuffle", False)  # the ElasticDataset shuffles; Keras would only warn
+    callbacks = list(fit_kwargs.pop("callbacks", None) or [])
+    if balancer not in callbacks:
+        callbacks.append(balancer)
+    strategy = model.distribute_strategy
+    pipeline = data.tf_dataset(strategy if strategy.num_replicas_in_sync > 1 else None)
+    merged = keras.callbacks.History()
+    merged.history, merged.epoch = {}, []
+    seen = {id(getattr(model, "history", None))}
+
+    def collect(history: Any) -> None:
+        # Keras sets model.history to each fit's History, also when that fit fails part-way.
+        if isinstance(history, keras.callbacks.History) and id(history) not in seen:
+            seen.add(id(history))
+            merged.epoch.extend(history.epoch)
+            for key, values in history.history.items():
+                merged.history.setdefault(key, []).extend(values)
+
+    initial_epoch, retries = 0, 0
+    while True:
+        try:
+            history = model.fit(
+                pipeline,
+                epochs=epochs,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=math.ceil(data.num_samples / data.batch_size),
+                callbacks=callbacks,
+                **fit_kwargs,
+            )
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            collect(getattr(model, "history", None))
+            balancer.close()
+            retries += 1
+            if retries > max_retries:
+                raise OutOfMemoryRecoveryError(
+                    f"out of memory {retries} times (max_retries={max_retries}); last batch size {data.batch_size}"
+                ) from exc
+            balancer.shrink_after_oom()
+            initial_epoch = balancer.epoch
+            continue
+        collect(history)
+        merged.set_model(model)
+        return merged

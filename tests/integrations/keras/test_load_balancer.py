@@ -1,0 +1,225 @@
+"""IvyLoadBalancer in real ``model.fit`` runs, driven by scripted load traces."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from ivyplug.integrations.keras.elastic import ElasticDataset  # noqa: E402
+from ivyplug.integrations.keras.load_balancer import IvyLoadBalancer, fit_with_oom_recovery  # noqa: E402
+
+from ivyplug.load import ScriptedProbe  # noqa: E402
+
+IDLE = {"cpu_util": 10.0, "mem_used": 3.0, "mem_total": 10.0}  # grow: utilisation < 70 %, memory 30 %
+FULL = {"cpu_util": 95.0, "mem_used": 9.5, "mem_total": 10.0}  # shrink: memory 95 %
+BUSY = {"cpu_util": 90.0, "mem_used": 7.0, "mem_total": 10.0}  # hold: inside the hysteresis band
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 16)).astype("float32")
+    y = (x[:, :4].argmax(axis=1)).astype("int64")
+    return x, y
+
+
+class SeenBatch(keras.metrics.Metric):
+    """The size of the batch the model just trained on (its variable sums over replicas: the global size)."""
+
+    def __init__(self, name: str = "seen", **kwargs: Any) -> None:
+        super().__init__(name=name, **kwargs)
+        self.size = self.add_variable(shape=(), initializer="zeros", name="size")
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        self.size.assign(keras.ops.cast(keras.ops.shape(y_true)[0], "float32"))
+
+    def result(self) -> Any:
+        return self.size
+
+
+class Spy(keras.callbacks.Callback):
+    """Per step: the learning rate in force and the global batch size the model saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[float, int]] = []
+        self._lr = 0.0
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.steps.append((self._lr, round(float(logs["seen"]))))
+
+
+def _model(optimizer: Any) -> Any:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[SeenBatch()],
+    )
+    return model
+
+
+def _balancer(data: ElasticDataset | None, trace: list[dict[str, float]], **kwargs: Any) -> IvyLoadBalancer:
+    holder: list[IvyLoadBalancer] = []
+    probe = ScriptedProbe(trace, clock=lambda: holder[0].epoch)
+    balancer = IvyLoadBalancer(data, probes=[probe], interval=0.02, **kwargs)
+    holder.append(balancer)
+    return balancer
+
+
+def _expected_factor(rule: str, batch: int, first: int) -> float:
+    return batch / first if rule == "linear" else math.sqrt(batch / first)
+
+
+def test_mirrored_fit_grows_then_shrinks_and_replicas_stay_equal(mirrored: Any, digits: Any) -> None:
+    x, y = digits
+    data = ElasticDataset(x, y, batch_size=32, seed=4)
+    with mirrored.scope():
+        model = _model(keras.optimizers.Adam(0.01))
+    balancer = _balancer(data, [IDLE, IDLE, FULL, BUSY])
+    spy = Spy()
+    history = model.fit(
+        data.tf_dataset(mirrored),
+        steps_per_epoch=data.steps_per_epoch,
+        epochs=4,
+        callbacks=[balancer, spy],
+        verbose=0,
+        shuffle=False,
+    )
+    h = history.history
+    # idle -> grow (x2); cooldown holds one epoch; memory 95 % -> shrink (x0.5); 70 % -> hold.
+    assert h["ivy/batch_size"] == [32.0, 64.0, 64.0, 32.0]
+    assert h["ivy/lr_factor"] == pytest.approx([1.0, math.sqrt(2), math.sqrt(2), 1.0])
+    assert h["ivy/memory_fraction"] == pytest.approx([0.3, 0.3, 0.95, 0.7])
+    assert h["ivy/utilization"] == pytest.approx([10.0, 10.0, 95.0, 90.0])
+    assert h["ivy/cpu_util"] == pytest.approx([10.0, 10.0, 95.0, 90.0])
+    assert h["ivy/oom_count"] == [0.0, 0.0, 0.0, 0.0]
+    assert [d[1:3] for d in balancer.decisions] == [(32, 64), (64, 32)]
+    # The LR changes exactly when the new batch size reaches the model (not when it is decided).
+    sizes = [b for _, b in spy.steps]
+    assert sizes[:8] == [32] * 8 and 64 in sizes and sizes[-1] == 32
+    first_big = sizes.index(64)
+    assert first_big == 8 + data.lag  # decided at the end of epoch 0 (8 steps), lands `lag` steps later
+    for lr, batch in spy.steps:
+        assert lr == pytest.approx(0.01 * _expected_factor("sqrt", batch, 32), rel=1e-6)
+    # Both replicas hold the same weights and optimizer state.
+    for variable in model.weights + model.optimizer.variables:
+        parts = mirrored.experimental_local_results(variable)
+        if len(parts) == 2:
+            np.testing.assert_array_equal(parts[0].numpy(), parts[1].numpy())
+    assert balancer.sampler is None  # closed at train end
+
+
+def test_single_device_sgd_grows_linearly(digits: Any) -> None:
+    x, y = digits
+    data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)
+    model = _model(keras.optimizers.SGD(0.05))
+    balancer = _balancer(data, [IDLE, BUSY, IDLE, BUSY], max_batch_size=64)
+    spy = Spy()
+    history = model.fit(
+        data.tf_dataset(),
+        steps_per_epoch=data.steps_per_epoch,
+        epochs=3,
+        callbacks=[balancer, spy],
+        verbose=0,
+        shuffle=False,
+    )
+    assert history.history["ivy/batch_size"] == [16.0, 32.0, 32.0]
+    assert history.history["ivy/lr_factor"] == pytest.approx([1.0, 2.0, 2.0])
+    for lr, batch in spy.steps:
+        assert lr == pytest.approx(0.05 * _expected_factor("linear", batch, 16), rel=1e-6)
+    assert float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)) == pytest.approx(0.1)
+
+
+def test_memory_pressure_shrinks_to_the_bound(digits: Any) -> None:
+    x, y = digits
+    data = ElasticDataset(x, y, batch_size=64, seed=0, lag=1)
+    model = _model(keras.optimizers.Adam(0.01))
+    balancer = _balancer(data, [FULL], min_batch_size=16, lr_scaling="none")
+    history = model.fit(data.tf_dataset(), steps_per_epoch=4, epochs=4, callbacks=[balancer], verbose=0, shuffle=False)
+    assert history.history["ivy/batch_size"] == [64.0, 32.0, 16.0, 16.0]
+    assert history.history["ivy/lr_factor"] == [1.0] * 4
+
+
+def test_oom_is_recovered_by_shrinking_and_replaying_the_epoch(digits: Any) -> None:
+    x, y = digits
+    data = ElasticDataset(x, y, batch_size=64, seed=5, lag=1)
+    model = _model(keras.optimizers.Adam(0.01))
+    balancer = _balancer(data, [BUSY])
+
+    class InjectOOM(keras.callbacks.Callback):
+        """Fails like a real OOM whenever a batch above 32 samples reaches epoch 1."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.failed_epoch_start: int | None = None
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            if balancer.epoch == 1 and data.batch_size_at(balancer.step) > 32:
+                self.failed_epoch_start = balancer.epoch_start_positions[1]
+                raise tf.errors.ResourceExhaustedError(None, None, "injected OOM: batch too large")
+
+    inject = InjectOOM()
+    history = fit_with_oom_recovery(model, data, balancer, epochs=3, callbacks=[inject], verbose=0)
+    h = history.history
+    assert history.epoch == [0, 1, 2]
+    assert h["ivy/batch_size"] == [64.0, 32.0, 32.0]
+    assert h["ivy/oom_count"] == [0.0, 1.0, 1.0]
+    assert h["ivy/lr_factor"] == pytest.approx([1.0, math.sqrt(0.5), math.sqrt(0.5)])
+    # The failed epoch is replayed from its first sample: one full pass (256 samples) at 32.
+    assert inject.failed_epoch_start == 256 == balancer.epoch_start_positions[1]
+    assert balancer.epoch_start_positions[2] == 512
+    with pytest.raises(ValueError, match="must be the ElasticDataset"):
+        fit_with_oom_recovery(model, ElasticDataset(x, y, batch_size=8), balancer, epochs=1)
+
+
+def test_monitoring_only_and_learning_rate_schedule(digits: Any) -> None:
+    x, y = digits
+    model = _model(keras.optimizers.Adam(0.01))
+    balancer = _balancer(None, [IDLE])
+    with pytest.warns(RuntimeWarning, match="monitors load"):
+        history = model.fit(x, y, batch_size=64, epochs=1, callbacks=[balancer], verbose=0, shuffle=False)
+    assert "ivy/batch_size" not in history.history
+    assert history.history["ivy/utilization"] == [10.0]
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=10, decay_rate=0.9)
+    scheduled = _model(keras.optimizers.Adam(schedule))
+    data = ElasticDataset(x, y, batch_size=32)
+    with pytest.raises(ValueError, match="LearningRateSchedule"):
+        scheduled.fit(data.tf_dataset(), steps_per_epoch=2, callbacks=[_balancer(data, [IDLE])], verbose=0)
+
+
+def test_from_config_dict_and_registry() -> None:
+    from ivyplug import get_registry
+
+    config = {
+        "probes": [{"name": "scripted", "trace": [IDLE]}, "psutil"],
+        "max_batch_size": 256,
+        "lr_scaling": "sqrt",
+        "cooldown": 2,
+    }
+    balancer = IvyLoadBalancer.from_config(config)
+    full = balancer.get_config()
+    assert full["max_batch_size"] == 256 and full["cooldown"] == 2 and full["lr_scaling"] == "sqrt"
+    assert full["probes"] == [{"name": "scripted", "trace": [IDLE]}, "psutil"]
+    assert IvyLoadBalancer.from_config(full).get_config() == full
+    assert get_registry().get("callback", "keras.ivy_load_balancer") is IvyLoadBalancer
+    with pytest.raises(ValueError, match="unknown IvyLoadBalancer config keys"):
+        IvyLoadBalancer.from_config({"max_batchsize": 3})
+    with pytest.raises(ValueError, match="lr_scaling must be one of"):
+        IvyLoadBalancer(lr_scaling="cubic")
+    with pytest.raises(ValueError, match="memory_low"):
+        IvyLoadBalancer(memory_low=0.95)
+    with pytest.raises(ValueError, match="interval must be a positive number"):
+        IvyLoadBalancer(interval=0)
+    with pytest.raises(ValueError, match="dataset must be an ElasticDataset"):
+        IvyLoadBalancer([1, 2, 3])  # type: ignore[arg-type]

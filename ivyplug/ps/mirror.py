@@ -66,10 +66,10 @@ class OptimizerSpec:
         param_group = [where.get(id(p), -1) for p in params]
         if all(g < 0 for g in param_group) and params:
             raise ValueError("optimizer holds none of the given params (pass the optimizer built over these params)")
-        for group in optimizer.param_groups:
+        for group in [*optimizer.param_groups, {"max_grad_norm": getattr(optimizer, "max_grad_norm", None)}]:
             if group.get("max_grad_norm") is not None:
                 raise ValueError(
-                    "optimizer param group sets max_grad_norm; a sharded server would clip per shard, not "
+                    "the optimizer sets max_grad_norm; a sharded server would clip per shard, not "
                     "globally. Set max_grad_norm=None and pass max_grad_norm to PSClient.step (global clipping)"
                 )
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]

@@ -31,19 +31,27 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         buf = io.BytesIO()
         torch.save(result, buf)  # tensors through a Queue would need the (already gone) child
         q.put((rank, "ok", buf.getvalue()))
+        q.close()
+        q.join_thread()
     except BaseException:
         q.put((rank, "err", traceback.format_exc()))
+        q.close()
+        q.join_thread()  # flush the queue's feeder thread before the hard exit
         # the peers may hang on a collective with us: end now, the parent kills the rest
         os._exit(3)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
 
-def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.0) -> list[Any]:
+def run_workers(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.0, need: list[int] | None = None
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return results by rank.
 
     Raises with the child's traceback if any rank failed; kills every child still alive at the end.
+    ``need``: only wait for these ranks' results (the others get None and are killed).
     """
+    need = list(range(world)) if need is None else need
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -56,7 +64,7 @@ def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float =
         import time
 
         deadline = time.monotonic() + timeout
-        while len(results) < world:
+        while any(r not in results for r in need):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -71,8 +79,9 @@ def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float =
                     time.sleep(0.5)
                     if q.empty():
                         break
-        for p in procs:
-            p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+        if len(need) == world:
+            for p in procs:
+                p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
     finally:
         for p in procs:
             if p.is_alive():
@@ -83,10 +92,10 @@ def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float =
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(results.items()) if s == "err"]
     if errors:
         raise AssertionError("worker failed:\n" + "\n".join(errors))
-    missing = [r for r in range(world) if r not in results]
+    missing = [r for r in need if r not in results]
     if missing:
         codes = {r: procs[r].exitcode for r in missing}
         raise AssertionError(f"rank(s) {missing} gave no result within {timeout} s (exit codes {codes})")
     import torch
 
-    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world)]
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) if r in results else None for r in range(world)]

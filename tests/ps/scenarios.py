@@ -1,0 +1,286 @@
+"""Code that runs inside the spawned worker processes of the PS tests (one session runs many checks)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ivyplug.ps import PSClient, PSConfig
+
+
+def mlp(seed: int, bn: bool = False) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(6, 16)]
+    if bn:
+        layers.append(torch.nn.BatchNorm1d(16))
+    layers += [torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)]
+    return torch.nn.Sequential(*layers)
+
+
+def make_opt(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.05)
+    if name == "lamb":
+        from ivyplug.optim import LAMB
+
+        return LAMB(params, lr=0.02, weight_decay=0.01)
+    raise ValueError(name)
+
+
+def batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def start(model: torch.nn.Module, opt: torch.optim.Optimizer, **cfg: Any) -> PSClient:
+    client = PSClient.start(PSConfig(**cfg), list(model.named_parameters()), list(model.named_buffers()), opt)
+    client.pull_initial()
+    return client
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# -- world 2 ------------------------------------------------------------------------------------
+def sync_equivalence(rank: int, world: int) -> dict[str, Any]:
+    """sync, 2 workers with 3 and 5 samples, clip 0.5, StepLR == one process on the 8 samples."""
+    out: dict[str, Any] = {}
+    sizes = [3, 5]
+    for name in ("sgd", "adamw", "lamb"):
+        model = mlp(seed=rank)  # different per rank: the PS must start everyone from rank 0's copy
+        opt = make_opt(name, model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        client = start(model, opt, mode="sync", timeout=30.0)
+        ref = mlp(seed=0)
+        ref_opt = make_opt(name, ref.parameters())
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+        for step in range(5):
+            x, y = batch(step, sum(sizes))
+            lo = sum(sizes[:rank])
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[lo : lo + sizes[rank]]), y[lo : lo + sizes[rank]]).backward()
+            client.step(sizes[rank], max_grad_norm=0.5)
+            sched.step()
+            ref.zero_grad()
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            ref_opt.step()
+            ref_sched.step()
+        client.sync()
+        out[name] = max(float((a - b).abs().max()) for a, b in zip(_params(model), _params(ref), strict=True))
+        client.close()
+    return out
+
+
+def buffers_rule(rank: int, world: int) -> dict[str, Any]:
+    """BatchNorm buffers: sync = weighted mean of the pushed buffers, async = running mean; pulls replace."""
+    out: dict[str, Any] = {}
+    sizes = [4, 6]
+    for mode in ("sync", "async"):
+        model = mlp(seed=rank, bn=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        client = start(model, opt, mode=mode, timeout=30.0)
+        initial = {n: b.clone() for n, b in model.named_buffers()}
+        x, y = batch(7 + rank, sizes[rank])
+        model.train()
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        pushed = {n: b.clone() for n, b in model.named_buffers()}
+        if mode == "sync":
+            client.step(sizes[rank])
+        else:  # rank 0 first, then rank 1: a known order
+            for turn in range(world):
+                if turn == rank:
+                    client.step(sizes[rank])
+                dist.barrier()
+        client.sync()
+        out[mode] = {"initial": initial, "pushed": pushed, "after": {n: b.clone() for n, b in model.named_buffers()}}
+        client.close()
+    return out
+
+
+def resume_bitwise(rank: int, world: int) -> dict[str, Any]:
+    """sync: state_dict after 3 steps, continue 3; a fresh client loaded from it continues identically."""
+    sizes = [4, 4]
+
+    def train(client: PSClient, model: torch.nn.Module, steps: range) -> None:
+        for step in steps:
+            x, y = batch(step, sum(sizes))
+            lo = sum(sizes[:rank])
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[lo : lo + sizes[rank]]), y[lo : lo + sizes[rank]]).backward()
+            client.step(sizes[rank], max_grad_norm=1.0)
+
+    model = mlp(seed=5, bn=True)
+    opt = make_opt("lamb", model.parameters())
+    client = start(model, opt, mode="sync", timeout=30.0)
+    train(client, model, range(3))
+    client.sync()
+    sd = client.state_dict()
+    train(client, model, range(3, 6))
+    client.sync()
+    first = _params(model) + [b.clone() for b in model.buffers()]
+    final_sd = client.state_dict()
+    client.close()
+
+    model2 = mlp(seed=99, bn=True)
+    opt2 = make_opt("lamb", model2.parameters())
+    client2 = start(model2, opt2, mode="sync", timeout=30.0)
+    client2.load_state_dict(sd)
+    train(client2, model2, range(3, 6))
+    client2.sync()
+    second = _params(model2) + [b.clone() for b in model2.buffers()]
+    sd2 = client2.state_dict()
+    client2.close()
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(first, second, strict=True)),
+        "versions": [s["version"] for s in final_sd["shards"]],
+        "versions_resumed": [s["version"] for s in sd2["shards"]],
+    }
+
+
+def ssp_trace(rank: int, world: int, staleness: int, slow_rank: int, steps: int) -> dict[str, Any]:
+    """ssp: the slowed rank sleeps each step; record step start and push-send times on the shared clock."""
+    model = mlp(seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    client = start(model, opt, mode="ssp", staleness=staleness, timeout=30.0)
+    starts, sends = [], []
+    for step in range(steps):
+        starts.append(time.monotonic())
+        x, y = batch(step, 4)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if rank == slow_rank:
+            time.sleep(0.03)
+        sends.append(time.monotonic())
+        client.step(4)
+    client.sync()
+    assert client.server is not None
+    trace = list(client.server.ssp_trace)
+    metrics = client.metrics()
+    client.close()
+    return {"starts": starts, "sends": sends, "trace": trace, "metrics": metrics}
+
+
+def dispatch(rank: int, world: int, slow_rank: int) -> dict[str, Any]:
+    """async + batch queue: every index once per epoch; the slowed rank gets fewer; stop flag travels."""
+    model = mlp(seed=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    client = start(model, opt, mode="async", timeout=30.0)
+    epochs: list[list[int]] = []
+    for epoch in range(2):
+        client.start_epoch(epoch, 30)
+        got = []
+        while (index := client.next_batch()) is not None:
+            got.append(index)
+            x, y = batch(index, 4)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if rank == slow_rank:
+                time.sleep(0.04)
+            client.step(4)
+        epochs.append(got)
+        client.sync()
+    if rank == 1:
+        client.request_stop()
+    client.sync()  # replies after the STOP carry the flag
+    stopped = client.stop_requested()
+    metrics = client.metrics()
+    client.close()
+    return {"epochs": epochs, "stopped": stopped, "metrics": metrics}
+
+
+def session_world2(rank: int, world: int) -> dict[str, Any]:
+    return {
+        "sync_equivalence": sync_equivalence(rank, world),
+        "buffers": buffers_rule(rank, world),
+        "resume": resume_bitwise(rank, world),
+        "ssp": ssp_trace(rank, world, staleness=1, slow_rank=1, steps=12),
+        "dispatch": dispatch(rank, world, slow_rank=0),
+        "lost": nothing_lost(rank, world, rounds=3, pushes=12),
+    }
+
+
+# -- world 3 ------------------------------------------------------------------------------------
+def nothing_lost(rank: int, world: int, rounds: int, pushes: int) -> dict[str, Any]:
+    """async, SGD lr=1, integer gradients, no staleness scaling, random sleeps between pushes."""
+    model = mlp(seed=3)
+    with torch.no_grad():  # integer-valued start so that every sum is exact in fp32
+        for p in model.parameters():
+            p.copy_(torch.randint(-50, 50, p.shape).float())
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    client = start(model, opt, mode="async", staleness_scaling="none", timeout=30.0, max_shard_bytes=256)
+    initial = _params(model)
+    sent = [torch.zeros_like(p) for p in initial]
+    rng = random.Random(rank * 7919 + 1)
+    gen = torch.Generator().manual_seed(rank + 10)
+    for _ in range(rounds):
+        for _ in range(pushes):
+            for p, acc in zip(model.parameters(), sent, strict=True):
+                p.grad = torch.randint(-3, 4, p.shape, generator=gen).float()
+                acc += p.grad
+            time.sleep(rng.choice([0.0, 0.0, 0.001, 0.003]))
+            client.step(1)
+        client.sync()
+    sd = client.state_dict()
+    final = _params(model)
+    client.close()
+    return {
+        "initial": initial,
+        "sent": sent,
+        "final": final,
+        "versions": [s["version"] for s in sd["shards"]],
+        "split": client.plan.split_tensors(),
+        "shards": client.plan.num_shards,
+    }
+
+
+def session_world3(rank: int, world: int) -> dict[str, Any]:
+    return {
+        "lost": nothing_lost(rank, world, rounds=2, pushes=10),
+        "ssp": ssp_trace(rank, world, staleness=2, slow_rank=2, steps=10),
+    }
+
+
+# -- failure ------------------------------------------------------------------------------------
+def silent_peer(rank: int, world: int) -> dict[str, Any]:
+    """A peer that never answers: sync (rank 1 never pushes) then async (rank 1 frozen by SIGSTOP).
+
+    Rank 0's step must raise PSTimeoutError naming what it waited for, after about ``timeout`` s.
+    """
+    from ivyplug.ps import PSTimeoutError
+
+    out: dict[str, Any] = {}
+    for mode in ("sync", "async"):
+        model = mlp(seed=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        client = start(model, opt, mode=mode, timeout=2.0)
+        dist.barrier()
+        if rank == 1:
+            if mode == "async":
+                os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills us
+                time.sleep(60)
+            dist.barrier()  # sync: alive (its server thread answers) but never pushes
+            client.close()
+            continue
+        x, y = batch(0, 4)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        t0 = time.monotonic()
+        try:
+            client.step(4)
+            out[mode] = {"error": None, "seconds": time.monotonic() - t0}
+        except PSTimeoutError as exc:
+            out[mode] = {"error": str(exc), "seconds": time.monotonic() - t0}
+        if mode == "sync":
+            dist.barrier()
+            client.close()
+    return out

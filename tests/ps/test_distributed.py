@@ -1,0 +1,127 @@
+"""Real processes, real gloo groups on 127.0.0.1: each session spawns once and runs many checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.ps import scenarios
+from tests.ps.harness import run_workers
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict[str, Any]]:
+    return run_workers(scenarios.session_world2, 2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def world3() -> list[dict[str, Any]]:
+    return run_workers(scenarios.session_world3, 3, timeout=240)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lamb"])
+def test_sync_two_workers_equals_one_process_on_the_concatenated_batches(world2: list, name: str) -> None:
+    """Uneven batches (3 and 5 samples), gradient clipping 0.5 and a StepLR; different initial weights."""
+    assert world2[0]["sync_equivalence"][name] <= 1e-5
+    assert world2[1]["sync_equivalence"][name] <= 1e-5
+
+
+def test_sync_resume_from_state_dict_is_bitwise(world2: list) -> None:
+    for r in world2:
+        assert r["resume"]["equal"]
+        assert r["resume"]["versions"] == r["resume"]["versions_resumed"] == [6, 6]
+
+
+def test_buffers_rule_weighted_mean_in_sync_running_mean_in_async(world2: list) -> None:
+    sizes = [4, 6]
+    sync0, sync1 = world2[0]["buffers"]["sync"], world2[1]["buffers"]["sync"]
+    for name, after in sync0["after"].items():
+        assert torch.equal(after, sync1["after"][name])  # every worker pulled the same buffers
+        b0, b1 = sync0["pushed"][name], sync1["pushed"][name]
+        if after.is_floating_point():
+            want = (sizes[0] * b0.double() + sizes[1] * b1.double()) / sum(sizes)
+            torch.testing.assert_close(after.double(), want, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(after, torch.maximum(b0, b1))
+    a0, a1 = world2[0]["buffers"]["async"], world2[1]["buffers"]["async"]
+    for name, after in a0["after"].items():
+        assert torch.equal(after, a1["after"][name])
+        start, b0, b1 = a0["initial"][name].double(), a0["pushed"][name].double(), a1["pushed"][name].double()
+        if after.is_floating_point():
+            s = start + (b0 - start) / 2  # rank 0 pushed first, then rank 1
+            s = s + (b1 - s) / 2
+            torch.testing.assert_close(after.double(), s, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(after.double(), torch.maximum(b0, b1))
+
+
+def _check_ssp(results: list, staleness: int, slow: int) -> None:
+    for r in results:
+        trace = r["ssp"]["trace"]
+        assert trace, "no SSP releases were recorded"
+        assert all(clock - slowest <= staleness for _, clock, slowest in trace), trace
+    # client-side view on the shared monotonic clock: a fast worker never started step c before the
+    # slow worker had sent push number c - s (0-based index c - s - 1)
+    sends = results[slow]["ssp"]["sends"]
+    for rank, r in enumerate(results):
+        if rank == slow:
+            continue
+        for c, t in enumerate(r["ssp"]["starts"]):
+            if c - staleness - 1 >= 0:
+                assert t >= sends[c - staleness - 1]
+    assert max(r["ssp"]["metrics"]["staleness_max"] for r in results) >= 1  # the run really was asynchronous
+
+
+def test_ssp_two_workers_never_more_than_s_ahead(world2: list) -> None:
+    _check_ssp(world2, staleness=1, slow=1)
+
+
+def test_ssp_three_workers_never_more_than_s_ahead(world3: list) -> None:
+    _check_ssp(world3, staleness=2, slow=2)
+
+
+def test_dispatch_every_batch_once_per_epoch_and_slow_worker_gets_fewer(world2: list) -> None:
+    for epoch in range(2):
+        got = [r["dispatch"]["epochs"][epoch] for r in world2]
+        assert sorted(got[0] + got[1]) == list(range(30))
+        assert len(got[0]) < len(got[1])  # rank 0 was slowed
+    for r in world2:
+        assert r["dispatch"]["metrics"]["batches"] == sum(len(e) for e in r["dispatch"]["epochs"])
+
+
+def test_stop_signal_reaches_every_worker(world2: list) -> None:
+    assert all(r["dispatch"]["stopped"] for r in world2)
+
+
+def test_metrics_count_pushes_and_bytes(world2: list) -> None:
+    for r in world2:
+        m = r["dispatch"]["metrics"]
+        assert m["pushes"] == r["dispatch"]["metrics"]["batches"]
+        assert m["bytes_sent"] > 0 and m["bytes_received"] > 0 and m["wait_seconds"] >= 0
+        assert set(m) >= {"pushes", "pulls", "staleness_mean", "staleness_max", "bytes_sent", "bytes_received"}
+
+
+@pytest.mark.parametrize("world", ["world2", "world3"])
+def test_async_nothing_is_lost(world: str, request: pytest.FixtureRequest) -> None:
+    """SGD lr=1, integer gradients, no staleness scaling, random interleavings, split tensors: exact."""
+    results = [r["lost"] for r in request.getfixturevalue(world)]
+    n = len(results)
+    initial = results[0]["initial"]
+    total = [sum(r["sent"][i] for r in results) for i in range(len(initial))]
+    for r in results:
+        assert r["split"]  # the plan split tensors row-wise (max_shard_bytes=256)
+        for i, p in enumerate(r["final"]):
+            assert torch.equal(p, initial[i] - total[i])
+    pushes = {2: 3 * 12, 3: 2 * 10}[n] * n
+    assert results[0]["versions"] == [pushes] * n
+
+
+def test_silent_peer_times_out_with_a_clear_error() -> None:
+    out = run_workers(scenarios.silent_peer, 2, timeout=120, need=[0])[0]
+    assert "pushes of step 0 from worker(s) [1]" in out["sync"]["error"]
+    assert "rank 1's reply to the push/pull of shard 1" in out["async"]["error"]
+    for mode in ("sync", "async"):
+        assert "timed out after 2 s" in out[mode]["error"]
+        assert out[mode]["seconds"] < 30

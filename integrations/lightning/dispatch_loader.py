@@ -15,6 +15,7 @@ need an explicit total), and validation runs when the queue is exhausted.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -28,6 +29,33 @@ class BatchDispatcher(Protocol):
     def start_epoch(self, epoch: int, num_batches: int) -> None: ...
 
     def next_batch(self) -> int | None: ...
+
+
+class EpochOrder:
+    """The epoch's global index order; Lightning finds it as ``batch_sampler.sampler`` and calls ``set_epoch``."""
+
+    def __init__(self, dataset_size: int, shuffle: bool, seed: int) -> None:
+        self.dataset_size = dataset_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        """This epoch's order of dataset indices (identical on every rank, like ``DistributedSampler``)."""
+        if not self.shuffle:
+            return list(range(self.dataset_size))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_size, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order())
+
+    def __len__(self) -> int:
+        return self.dataset_size
 
 
 class DispatchBatchSampler:
@@ -50,11 +78,13 @@ class DispatchBatchSampler:
         self.dispatcher = dispatcher
         self.dataset_size = dataset_size
         self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
         self.drop_last = drop_last
-        self.epoch = 0
+        self.sampler = EpochOrder(dataset_size, shuffle, seed)
         self.served: list[int] = []  # global batch indices this worker got in the current epoch
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     @property
     def num_batches(self) -> int:
@@ -63,19 +93,10 @@ class DispatchBatchSampler:
         return math.ceil(self.dataset_size / self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning at every epoch start; changes the permutation like ``DistributedSampler``."""
-        self.epoch = epoch
-
-    def order(self) -> list[int]:
-        """This epoch's global order of dataset indices (identical on every rank)."""
-        if not self.shuffle:
-            return list(range(self.dataset_size))
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.dataset_size, generator=generator).tolist()
+        self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self.order()
+        order = self.sampler.order()
         self.served = []
         self.dispatcher.start_epoch(self.epoch, self.num_batches)
         while True:
@@ -91,8 +112,8 @@ class DispatchBatchSampler:
 def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
     if isinstance(sampler, DistributedSampler) and type(sampler) is DistributedSampler:
         return bool(sampler.shuffle), int(sampler.seed)
-    if isinstance(sampler, RandomSampler):
-        return True, 0
+    if isinstance(sampler, RandomSampler):  # use_distributed_sampler=False: seed as Lightning would
+        return True, int(os.environ.get("PL_GLOBAL_SEED", 0))
     if isinstance(sampler, SequentialSampler):
         return False, 0
     raise ValueError(

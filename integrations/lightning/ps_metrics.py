@@ -6,7 +6,6 @@ bytes, time waiting on the PS) are all-gathered first; every rank then logs the 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -38,6 +37,4 @@ class PSMetricsLogger(Callback):
                 key = f"ivy/rank{rank}/{name}"
                 value = float(gathered[rank, i])
                 self.last[key] = value
-                with warnings.catch_warnings():  # the values are already gathered: no sync_dist needed
-                    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
-                    pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=False, reduce_fx="max")
+                pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=False, reduce_fx="max")

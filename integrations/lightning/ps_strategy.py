@@ -22,6 +22,7 @@ group's collectives (``reduce``/``broadcast``/``barrier`` for ``sync_dist``, ``M
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -221,6 +222,8 @@ class IvyPSStrategy(DDPStrategy):
         self._client.pull_initial()
         self._samples_since_step = 0
         self._install_clip_recorder()
+        # the gathered per-rank PS metrics are identical on every rank: no sync_dist needed
+        warnings.filterwarnings("ignore", message=r".*self\.log\('ivy/rank\d+/.*sync_dist=True")
         self._metrics_logger = PSMetricsLogger(self)
         trainer.callbacks.insert(0, self._metrics_logger)
         if self.is_async:
@@ -370,12 +373,14 @@ class IvyPSStrategy(DDPStrategy):
             "worker_optimizer": optimizer.state_dict(),
         }
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+    @staticmethod
+    def _check_resumable(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
         states = checkpoint.get("optimizer_states")
         if not states:
             raise ValueError(
                 "IvyPSStrategy cannot resume from a weights-only checkpoint: it holds no PS optimizer state "
-                "(save with ModelCheckpoint(save_weights_only=False))"
+                "(save with ModelCheckpoint(save_weights_only=False), or load the weights into the model and "
+                "start a new fit without ckpt_path)"
             )
         state = states[0]
         if not isinstance(state, Mapping) or CHECKPOINT_KEY not in state:
@@ -383,6 +388,18 @@ class IvyPSStrategy(DDPStrategy):
                 "IvyPSStrategy cannot resume from this checkpoint: it was not written by IvyPSStrategy "
                 f"(no {CHECKPOINT_KEY!r} entry in optimizer_states[0])"
             )
+        return state
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Refuse a checkpoint that cannot resume a PS fit before the PS starts (validate/test take any)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._check_resumable(checkpoint)
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        state = self._check_resumable(checkpoint)
         if self._client is None:
             raise RuntimeError("IvyPSStrategy.load_optimizer_state_dict called before the PS client started")
         self.optimizers[0].load_state_dict(state["worker_optimizer"])

@@ -1,0 +1,63 @@
+"""One worker in this process (popen launcher, world size 1): exactness, precision, evaluation, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from ivyplug.integrations.lightning import IvyPSStrategy
+from lightning.pytorch import seed_everything
+
+from .digits import DigitsMLP, digits_tensors
+from .helpers import params_of, quiet_trainer, reference_training
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_async_one_worker_equals_single_process_exactly() -> None:
+    seed_everything(0)
+    model = DigitsMLP(hidden=32, lr=0.05, train_size=500, batch_size=32)  # 16 batches, the last one of 20
+    x, y, _, _ = digits_tensors()
+    expected = reference_training(
+        model,
+        lambda m: (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), None),
+        x[:500],
+        y[:500],
+        epochs=2,
+        batch_size=32,
+        world_size=1,
+    )
+    trainer = quiet_trainer(IvyPSStrategy(mode="async"), devices=1, max_epochs=2, limit_val_batches=0)
+    trainer.fit(model)
+    got = params_of(model)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    assert trainer.global_step == 32
+
+
+def test_bf16_fit_then_validate_test_predict_and_weights_only_refusal(tmp_path: Path) -> None:
+    seed_everything(1)
+    model = DigitsMLP(hidden=32, lr=0.1, train_size=256, batch_size=32, log_sync_dist=True)
+    before = params_of(model)
+    trainer = quiet_trainer(
+        IvyPSStrategy(mode="async"), devices=1, max_epochs=1, precision="bf16-mixed", default_root_dir=str(tmp_path)
+    )
+    trainer.fit(model)
+    after = params_of(model)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert "ivy/rank0/pushes" in trainer.callback_metrics
+    assert float(trainer.callback_metrics["ivy/rank0/pushes"]) == 8.0
+
+    (val,) = trainer.validate(model, verbose=False)
+    (test,) = trainer.test(model, verbose=False)
+    predictions = trainer.predict(model)
+    assert 0.0 <= val["val_acc"] <= 1.0 and 0.0 <= test["test_acc"] <= 1.0
+    assert predictions is not None and sum(len(p) for p in predictions) == len(digits_tensors()[2])
+
+    weights_only = tmp_path / "weights.ckpt"
+    trainer.save_checkpoint(weights_only, weights_only=True)
+    resumed = quiet_trainer(IvyPSStrategy(mode="sync"), devices=1, max_epochs=2)
+    with pytest.raises(ValueError, match="weights-only checkpoint"):
+        resumed.fit(DigitsMLP(hidden=32, train_size=256), ckpt_path=weights_only)

@@ -1,7 +1,8 @@
 """MultiWorkerMirroredStrategy: 2 worker processes on 127.0.0.1.
 
 One pair of processes (TF start-up dominates, so one pair does everything): it reproduces both Keras 3.15
-failures, then trains with the fixes and checks identical weights on both workers. A lone MWMS worker
+failures, then trains with the fixes and checks identical weights on both workers, then trains with
+IvyLoadBalancer on an ElasticDataset while only worker 1 reports memory pressure. A lone MWMS worker
 blocks forever and ignores SIGTERM, so the workers run under a hard deadline and are SIGKILLed in
 ``finally``. Run as a script, this file is the worker.
 """
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-DEADLINE_S = 120.0
+DEADLINE_S = 150.0
 
 
 def _free_ports(n: int) -> list[int]:
@@ -72,6 +73,31 @@ def _worker(index: int, ports: list[int], out: Path) -> None:
     result["loss"] = [float(v) for v in history.history["loss"]]
     result["initial"] = initial.tolist()
     result["weights"] = np.concatenate([w.ravel() for w in model.get_weights()]).tolist()
+
+    # IvyLoadBalancer: worker 1 alone reports memory pressure in epoch 1; both workers must follow it.
+    from ivyplug.integrations.keras.elastic import ElasticDataset
+    from ivyplug.integrations.keras.load_balancer import IvyLoadBalancer
+
+    from ivyplug.load import ScriptedProbe
+
+    idle = {"cpu_util": 10.0, "mem_used": 3.0, "mem_total": 10.0}
+    busy = {"cpu_util": 90.0, "mem_used": 7.0, "mem_total": 10.0}
+    full = {"cpu_util": 90.0, "mem_used": 9.5, "mem_total": 10.0}
+    trace = [idle, busy, busy] if index == 0 else [idle, full, busy]
+    elastic = ElasticDataset(x, y, batch_size=16, seed=3, lag=2)
+    pipeline = elastic.tf_dataset(strategy)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        balanced = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        balanced.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    holder: list[IvyLoadBalancer] = []
+    balancer = IvyLoadBalancer(elastic, probes=[ScriptedProbe(trace, clock=lambda: holder[0].epoch)], interval=0.02)
+    holder.append(balancer)
+    fitted = balanced.fit(
+        pipeline, steps_per_epoch=elastic.steps_per_epoch, epochs=3, callbacks=[balancer], verbose=0, shuffle=False
+    )
+    result["ivy"] = {k: v for k, v in fitted.history.items() if k.startswith("ivy/")}
+    result["balanced_weights"] = np.concatenate([w.ravel() for w in balanced.get_weights()]).tolist()
     out.write_text(json.dumps(result))
 
 
@@ -146,6 +172,17 @@ def test_mwms_fit_fails_without_fixes_and_trains_identically_with_them(tmp_path:
     assert not np.allclose(w0, np.asarray(results[0]["initial"]))
     assert results[0]["loss"] == results[1]["loss"]
     assert results[0]["loss"][-1] < results[0]["loss"][0]
+    # IvyLoadBalancer: the same decisions on both workers, from both workers' loads.
+    ivy0, ivy1 = results[0]["ivy"], results[1]["ivy"]
+    decided = ("ivy/batch_size", "ivy/lr_factor", "ivy/utilization", "ivy/memory_fraction", "ivy/oom_count")
+    for key in (*decided, "ivy/worker0/memory_fraction", "ivy/worker1/memory_fraction"):
+        assert ivy0[key] == ivy1[key], key
+    assert ivy0["ivy/mem_used"] != ivy1["ivy/mem_used"]  # raw readings stay per worker
+    assert ivy0["ivy/batch_size"] == [16.0, 32.0, 16.0]
+    assert ivy0["ivy/lr_factor"] == pytest.approx([1.0, 2**0.5, 1.0])
+    assert ivy0["ivy/worker0/memory_fraction"] == pytest.approx([0.3, 0.7, 0.7])
+    assert ivy0["ivy/worker1/memory_fraction"] == pytest.approx([0.3, 0.95, 0.7])
+    np.testing.assert_array_equal(results[0]["balanced_weights"], results[1]["balanced_weights"])
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ Both kernels evaluate the same algebra, written to keep the number of passes sma
 ``u/λ``) in a reused scratch buffer (:class:`Workspace`), so a step allocates nothing large and causes no page
 faults, whatever the allocator settings.
 
-Device rule for ``foreach=None`` (:func:`resolve_foreach`): the per-tensor loop on CPU, the multi-tensor kernel on
-every other device. On CPU the loop keeps each tensor's working set in cache between its passes and was measured
-faster than the multi-tensor kernel (``ivyplug bench lamb``, docs/benchmarks.md); on accelerators the multi-tensor
-kernel saves launches, as in torch.optim.
+Device rule for ``foreach=None`` (:func:`resolve_foreach`): the multi-tensor kernel, except on CPU when torch's
+fused Adam kernel cannot serve the dtype, where the per-tensor loop runs. On CPU the multi-tensor kernel computes
+the moments and the Adam direction in one pass through that fused kernel (into a scratch buffer), chunked to stay
+in cache, and was measured faster than the loop; built from plain ``_foreach`` ops it is slower than the loop on
+CPU (lost cache locality; ``ivyplug bench lamb``, docs/benchmarks.md). On accelerators it saves launches, as in
+torch.optim.
 """
 
 from __future__ import annotations
@@ -49,10 +51,18 @@ _FOLD_MIN_DECAY = 1e-12
 
 
 def resolve_foreach(foreach: bool | None, tensors: Sequence[Tensor]) -> bool:
-    """Which kernel runs: an explicit choice wins; ``None`` means loop on CPU, multi-tensor elsewhere."""
+    """Which kernel runs: an explicit choice wins; ``None`` applies the device rule.
+
+    The rule: the multi-tensor kernel on every non-CPU device; on CPU the multi-tensor kernel when torch's fused
+    Adam kernel serves its dtype (:func:`fused_moments_supported`: one pass for the moments, measured faster), and
+    otherwise the per-tensor loop (plain ``_foreach`` ops lose cache locality on CPU and were measured slower).
+    """
     if foreach is not None:
         return bool(foreach)
-    return any(t.device.type != "cpu" for t in tensors)
+    if any(t.device.type != "cpu" for t in tensors):
+        return True
+    kinds = {(t.device, t.dtype) for t in tensors}
+    return bool(kinds) and all(fused_moments_supported(device, dtype) for device, dtype in kinds)
 
 
 def trust_ratio(param_norm: float, update_norm: float, min_ratio: float, max_ratio: float) -> float:
@@ -227,6 +237,68 @@ def _chunks(tensors: Sequence[Tensor], limit: int) -> list[tuple[int, int]]:
     return ranges
 
 
+_FUSED_MOMENTS_SUPPORT: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def fused_moments_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's fused Adam kernel can compute LAMB's Adam direction for tensors of this device and dtype.
+
+    Used on CPU only (where LAMB keeps its step counters); probed once per (device, dtype) on a tiny tensor, so an
+    older torch or an unsupported dtype falls back to plain ``_foreach`` ops instead of failing mid-step.
+    """
+    key = (device, dtype)
+    if key not in _FUSED_MOMENTS_SUPPORT:
+        ok = device.type == "cpu" and hasattr(torch, "_fused_adam_")
+        if ok:
+            try:
+                u = [torch.zeros(4, device=device, dtype=dtype)]
+                g = [torch.ones(4, device=device, dtype=dtype)]
+                m = [torch.zeros(4, device=device, dtype=dtype)]
+                v = [torch.zeros(4, device=device, dtype=dtype)]
+                _fused_adam_direction(u, g, m, v, [torch.ones(())], beta1=0.9, beta2=0.999, eps=1e-6, lr=-1.0)
+                ok = bool(torch.allclose(u[0].float(), torch.ones(4), rtol=1e-2))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _FUSED_MOMENTS_SUPPORT[key] = ok
+    return _FUSED_MOMENTS_SUPPORT[key]
+
+
+def _fused_adam_direction(
+    u: list[Tensor],
+    g: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    steps: list[Tensor],
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    lr: float,
+) -> None:
+    """``u ← u − lr · m̂/(√v̂+ε)`` after updating ``m`` and ``v`` in place, in one pass (torch's fused Adam kernel).
+
+    With ``lr = −1/λ`` and ``u = x`` this leaves ``u = (m̂/(√v̂+ε) + λx)/λ``. ``grad_scale`` is not passed: that
+    kernel unscales gradients in place, and LAMB must not modify ``.grad``.
+    """
+    torch._fused_adam_(
+        u,
+        g,
+        m,
+        v,
+        [],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=0.0,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+    )
+
+
 def _multi_tensor_lamb(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -246,69 +318,102 @@ def _multi_tensor_lamb(
     grad_scale: float,
     workspace: Workspace,
 ) -> list[float | Tensor]:
-    """Multi-tensor kernel (``torch._foreach_*``), in chunks so that each chunk's passes hit cache.
+    """Multi-tensor kernel, in chunks so that each chunk's passes hit cache; one device and dtype.
 
-    On CPU the trust ratios are computed on the host (free there); on other devices they stay on the device and
-    no host sync happens. Returns the ratios as floats (CPU) or as 0-dim device tensors.
+    On CPU, when :func:`fused_moments_supported`, the moment updates and the Adam direction run in one pass
+    through torch's fused Adam kernel (written into a scratch buffer, never into the parameters), the norms come
+    from BLAS ``dot`` and the trust ratios are computed on the host (free there). Elsewhere it uses
+    ``torch._foreach_*`` ops and keeps the ratios on the device (no host sync). Returns the ratios as floats
+    (CPU) or as 0-dim device tensors.
     """
     if not params:
         return []
     adapt = not exclude_from_layer_adaptation
     fold = weight_decay >= _FOLD_MIN_DECAY
     on_cpu = params[0].device.type == "cpu"
+    fused = on_cpu and fused_moments_supported(params[0].device, params[0].dtype)
     limit = CPU_CHUNK_ELEMENTS if on_cpu else DEVICE_CHUNK_ELEMENTS
 
-    torch._foreach_add_(list(steps), 1.0)
-    factors = [_bias_factors(s.item(), beta1, beta2, eps, bias_correction) for s in steps]
+    steps = list(steps)
+    torch._foreach_add_(steps, 1.0)
+    if fused:
+        # The fused kernel always bias-corrects; an infinite step makes 1 - beta**step exactly 1.
+        kernel_steps = steps if bias_correction else [torch.full((), math.inf)] * len(steps)
+    else:
+        factors = [_bias_factors(s.item(), beta1, beta2, eps, bias_correction) for s in steps]
 
     ratios_out: list[float | Tensor] = []
     for lo, hi in _chunks(params, limit):
         p, g, m, v = list(params[lo:hi]), list(grads[lo:hi]), list(exp_avgs[lo:hi]), list(exp_avg_sqs[lo:hi])
-        cs = [f[0] for f in factors[lo:hi]]
-        if grad_scale == 1.0:
-            torch._foreach_lerp_(m, g, 1.0 - beta1)
-        else:
-            torch._foreach_mul_(m, beta1)
-            torch._foreach_add_(m, g, alpha=(1.0 - beta1) * grad_scale)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
-        d = workspace.views(p, slot=1)
+        n = len(p)
         u = workspace.views(p, slot=0)
-        torch._foreach_copy_(d, v)
-        torch._foreach_sqrt_(d)
-        torch._foreach_add_(d, [f[1] for f in factors[lo:hi]])
-        if fold:  # u = (m̂/(√v̂+ε) + λx) / λ
-            torch._foreach_copy_(u, p)
-            torch._foreach_addcdiv_(u, m, d, [ci / weight_decay for ci in cs])
-            scales = [weight_decay] * len(p)
-        else:  # u = (m̂/(√v̂+ε) + λx) / c
-            torch._foreach_copy_(u, m)
-            torch._foreach_div_(u, d)
-            if weight_decay != 0.0:
-                for ui, pi, ci in zip(u, p, cs, strict=True):
-                    ui.add_(pi, alpha=weight_decay / ci)
-            scales = cs
+        scales: list[float]
+        if fused:
+            if grad_scale != 1.0:
+                g_scaled = workspace.views(p, slot=1)
+                torch._foreach_copy_(g_scaled, g)
+                torch._foreach_mul_(g_scaled, grad_scale)
+                g = g_scaled
+            if fold:  # u = (m̂/(√v̂+ε) + λx) / λ
+                torch._foreach_copy_(u, p)
+                _fused_adam_direction(u, g, m, v, kernel_steps[lo:hi], beta1=beta1, beta2=beta2, eps=eps,
+                                      lr=-1.0 / weight_decay)  # fmt: skip
+                scales = [weight_decay] * n
+            else:  # u = m̂/(√v̂+ε) + λx
+                torch._foreach_zero_(u)
+                _fused_adam_direction(u, g, m, v, kernel_steps[lo:hi], beta1=beta1, beta2=beta2, eps=eps, lr=-1.0)
+                if weight_decay != 0.0:
+                    torch._foreach_add_(u, p, alpha=weight_decay)
+                scales = [1.0] * n
+        else:
+            cs = [f[0] for f in factors[lo:hi]]
+            if grad_scale == 1.0:
+                torch._foreach_lerp_(m, g, 1.0 - beta1)
+            else:
+                torch._foreach_mul_(m, beta1)
+                torch._foreach_add_(m, g, alpha=(1.0 - beta1) * grad_scale)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
+            d = workspace.views(p, slot=1)
+            torch._foreach_copy_(d, v)
+            torch._foreach_sqrt_(d)
+            torch._foreach_add_(d, [f[1] for f in factors[lo:hi]])
+            if fold:  # u = (m̂/(√v̂+ε) + λx) / λ
+                torch._foreach_copy_(u, p)
+                torch._foreach_addcdiv_(u, m, d, [ci / weight_decay for ci in cs])
+                scales = [weight_decay] * n
+            else:  # u = (m̂/(√v̂+ε) + λx) / c
+                torch._foreach_copy_(u, m)
+                torch._foreach_div_(u, d)
+                if weight_decay != 0.0:
+                    for ui, pi, ci in zip(u, p, cs, strict=True):
+                        ui.add_(pi, alpha=weight_decay / ci)
+                scales = cs
         if not adapt:
-            torch._foreach_mul_(u, [-lr * s for s in scales])
-            torch._foreach_add_(p, u)
-            ratios_out.extend([1.0] * len(p))
+            if on_cpu:
+                for pi, ui, si in zip(p, u, scales, strict=True):
+                    pi.add_(ui, alpha=-lr * si)
+            else:
+                torch._foreach_mul_(u, [-lr * s for s in scales])
+                torch._foreach_add_(p, u)
+            ratios_out.extend([1.0] * n)
+            continue
+        if on_cpu:
+            ratios = [
+                trust_ratio(math.sqrt(_sumsq(pi)), si * math.sqrt(_sumsq(ui)), min_trust_ratio, max_trust_ratio)
+                for pi, ui, si in zip(p, u, scales, strict=True)
+            ]
+            for pi, ui, si, ri in zip(p, u, scales, ratios, strict=True):
+                pi.add_(ui, alpha=-lr * ri * si)
+            ratios_out.extend(ratios)
             continue
         norms = torch.stack(torch._foreach_norm(p + u)).float()
-        n = len(p)
-        if on_cpu:
-            values = norms.tolist()
-            ratios = [
-                trust_ratio(values[i], scales[i] * values[n + i], min_trust_ratio, max_trust_ratio) for i in range(n)
-            ]
-            torch._foreach_mul_(u, [-lr * r * s for r, s in zip(ratios, scales, strict=True)])
-            ratios_out.extend(ratios)
-        else:
-            scale_t = torch.tensor(scales, device=norms.device, dtype=norms.dtype)
-            ratio_t = _trust_ratio_tensor(norms[:n], norms[n:] * scale_t, min_trust_ratio, max_trust_ratio)
-            coef = (ratio_t * scale_t * -lr).to(p[0].dtype)
-            torch._foreach_mul_(u, list(coef.unbind()))
-            ratios_out.extend(ratio_t.unbind())
+        scale_t = torch.tensor(scales, device=norms.device, dtype=norms.dtype)
+        ratio_t = _trust_ratio_tensor(norms[:n], norms[n:] * scale_t, min_trust_ratio, max_trust_ratio)
+        coef = (ratio_t * scale_t * -lr).to(p[0].dtype)
+        torch._foreach_mul_(u, list(coef.unbind()))
         torch._foreach_add_(p, u)
+        ratios_out.extend(ratio_t.unbind())
     return ratios_out
 
 

@@ -16,6 +16,21 @@ from ivyplug.optim import functional as F
 from tests.optim.reference import RefGroup, RefLamb
 
 STEPS = 32
+KERNELS = ["loop", "fused", "plain"]
+
+
+@pytest.fixture
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """``loop``: the per-tensor reference; ``fused``: multi-tensor with torch's fused Adam moments (CPU default);
+    ``plain``: multi-tensor from ``_foreach`` ops only (what accelerators run). Returns the ``foreach`` flag."""
+    if request.param == "plain":
+        monkeypatch.setattr(F, "fused_moments_supported", lambda device, dtype: False)
+    return request.param != "loop"
+
+
+def test_fused_moments_serve_cpu_float32() -> None:
+    assert F.fused_moments_supported(torch.device("cpu"), torch.float32)
+    assert F.fused_moments_supported(torch.device("cpu"), torch.float64)
 
 
 def _random_params(gen: torch.Generator, shapes: list[tuple[int, ...]], scales: list[float]) -> list[nn.Parameter]:
@@ -83,13 +98,13 @@ def _run_against_reference(
     return opt, ref, params
 
 
-@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("max_grad_norm", [None, 1.5])
-def test_matches_float64_reference(foreach: bool, bias_correction: bool, max_grad_norm: float | None) -> None:
-    seed = 1000 + 4 * int(foreach) + 2 * int(bias_correction) + int(max_grad_norm is not None)
+def test_matches_float64_reference(kernel: bool, bias_correction: bool, max_grad_norm: float | None) -> None:
+    seed = 1000 + 4 * int(kernel) + 2 * int(bias_correction) + int(max_grad_norm is not None)
     opt, ref, params = _run_against_reference(
-        seed, foreach=foreach, bias_correction=bias_correction, max_grad_norm=max_grad_norm, grad_scale=3.0
+        seed, foreach=kernel, bias_correction=bias_correction, max_grad_norm=max_grad_norm, grad_scale=3.0
     )
     for i, p in enumerate(params):
         expected = ref.params[i]
@@ -126,9 +141,10 @@ def _random_model(seed: int) -> nn.Module:
     )
 
 
+@pytest.mark.parametrize("kernel", ["fused", "plain"], indirect=True)
 @pytest.mark.parametrize("seed", [3, 4])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.7])
-def test_foreach_matches_loop(seed: int, max_grad_norm: float | None) -> None:
+def test_foreach_matches_loop(kernel: bool, seed: int, max_grad_norm: float | None) -> None:
     """Two kernels, same model, same batches: parameters agree to 1e-6 relative after 30+ steps."""
     model_a = _random_model(seed)
     model_b = copy.deepcopy(model_a)
@@ -172,11 +188,11 @@ def test_functional_entry_point_matches_optimizer() -> None:
         lamb(twins, grads[:1], m, v, steps, lr=0.1, beta1=0.9, beta2=0.9, eps=1e-6, weight_decay=0.0)
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_zero_initialised_params_move(foreach: bool) -> None:
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_zero_initialised_params_move(kernel: bool) -> None:
     w = nn.Parameter(torch.zeros(6, 4))
     b = nn.Parameter(torch.zeros(4))
-    opt = LAMB([w, b], lr=0.1, foreach=foreach)
+    opt = LAMB([w, b], lr=0.1, foreach=kernel)
     w.grad = torch.randn(6, 4)
     b.grad = torch.randn(4)
     opt.step()
@@ -187,12 +203,12 @@ def test_zero_initialised_params_move(foreach: bool) -> None:
     torch.testing.assert_close(w.detach().double(), -0.1 * g / (g.abs() + 1e-6), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_nonfinite_gradient_skips_whole_step(foreach: bool, bad: float) -> None:
+def test_nonfinite_gradient_skips_whole_step(kernel: bool, bad: float) -> None:
     gen = torch.Generator().manual_seed(5)
     params = _random_params(gen, [(5, 5), (5,), (3, 2)], [1.0, 1.0, 1.0])
-    opt = LAMB([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=0.01, foreach=foreach)
+    opt = LAMB([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=0.01, foreach=kernel)
     for p, g in zip(params, _random_grads(gen, params), strict=True):
         p.grad = g
     opt.step()
@@ -269,7 +285,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[tuple[tor
         opt.step()
 
 
-@pytest.mark.parametrize("foreach", [None, True])
+@pytest.mark.parametrize("foreach", [None, False])
 def test_state_dict_round_trip_continues_bit_identically(foreach: bool | None) -> None:
     gen = torch.Generator().manual_seed(21)
     batches = [(torch.randn(8, 13, generator=gen), torch.randint(0, 7, (8,), generator=gen)) for _ in range(12)]
@@ -302,22 +318,33 @@ def test_kernel_choice_is_resolved_recorded_and_restored(monkeypatch: pytest.Mon
     assert opt.param_groups[0]["foreach"] is None
     p.grad = torch.randn(4, 4)
     opt.step()
-    # The documented device rule: the per-tensor loop on CPU.
-    assert opt.param_groups[0]["foreach"] is False
-    assert opt.state_dict()["param_groups"][0]["foreach"] is False
+    # The documented device rule: the multi-tensor kernel on CPU while torch's fused Adam serves the dtype.
+    assert opt.param_groups[0]["foreach"] is True
+    assert opt.state_dict()["param_groups"][0]["foreach"] is True
 
     calls: list[str] = []
     real_multi, real_single = F._multi_tensor_lamb, F._single_tensor_lamb
     monkeypatch.setattr(F, "_multi_tensor_lamb", lambda *a, **k: calls.append("multi") or real_multi(*a, **k))
     monkeypatch.setattr(F, "_single_tensor_lamb", lambda *a, **k: calls.append("single") or real_single(*a, **k))
 
-    saved = LAMB([p], foreach=True)
+    saved = LAMB([p], foreach=False)
     saved.step()
-    resumed = LAMB([p])  # foreach=None here, but the checkpoint says multi-tensor
+    resumed = LAMB([p])  # foreach=None here, but the checkpoint says: the loop
     resumed.load_state_dict(saved.state_dict())
     resumed.step()
     opt.step()
-    assert calls == ["multi", "multi", "single"]
+    assert calls == ["single", "single", "multi"]
+
+
+def test_device_rule_falls_back_to_loop_without_fused_moments(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = torch.zeros(3)
+    assert F.resolve_foreach(None, [p]) is True
+    assert F.resolve_foreach(False, [p]) is False
+    monkeypatch.setattr(F, "fused_moments_supported", lambda device, dtype: False)
+    assert F.resolve_foreach(None, [p]) is False
+    assert F.resolve_foreach(True, [p]) is True
+    # A non-CPU device gets the multi-tensor kernel whatever the fused support.
+    assert F.resolve_foreach(None, [torch.empty(3, device="meta")]) is True
 
 
 @pytest.mark.parametrize("scheduler", ["step", "lambda"])

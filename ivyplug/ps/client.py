@@ -349,6 +349,9 @@ class PSClient:
             self.channel.flush()
         self.m.pushes += 1
         self.m.pulls += 1
+        # the servers stepped this optimizer's mirror: tell LR schedulers so (they warn otherwise)
+        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
+            self.optimizer._opt_called = True
         if staleness:
             tau_max = max(staleness)
             self.m.staleness_sum += tau_max

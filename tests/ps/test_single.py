@@ -1,0 +1,192 @@
+"""One worker, everything in-process (no process group): exactness and API checks, fast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ivyplug.ps import PSClient, PSConfig
+from tests.ps.scenarios import batch, make_opt, mlp
+
+
+def start(model: torch.nn.Module, opt: torch.optim.Optimizer, **cfg: object) -> PSClient:
+    config = PSConfig.from_kwargs(**cfg)
+    client = PSClient.start(config, list(model.named_parameters()), list(model.named_buffers()), opt)
+    client.pull_initial()
+    return client
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lamb"])
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_async_one_worker_equals_single_process_exactly(name: str, clip: float | None) -> None:
+    model, ref = mlp(seed=0, bn=True), mlp(seed=0, bn=True)
+    opt, ref_opt = make_opt(name, model.parameters()), make_opt(name, ref.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    # split rows too for the element-wise optimizers; LAMB's trust ratio is per piece, so splitting changes it
+    client = start(model, opt, mode="async", max_shard_bytes=None if name == "lamb" else 200)
+    for step in range(6):
+        x, y = batch(step, 8)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        client.step(8, max_grad_norm=clip)
+        sched.step()
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_sched.step()
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    m = client.metrics()
+    assert m["pushes"] == 6 and m["staleness_max"] == 0
+    client.close()
+
+
+def test_sync_one_worker_matches_single_process() -> None:
+    model, ref = mlp(seed=0), mlp(seed=0)
+    opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
+    client = start(model, opt, mode="sync")
+    for step in range(4):
+        x, y = batch(step, 8)
+        for net in (model, ref):
+            net.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+        client.step(8, max_grad_norm=0.5)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_state_dict_round_trip_continues_bitwise_and_loads_without_code() -> None:
+    import io
+
+    model = mlp(seed=1, bn=True)
+    opt = make_opt("lamb", model.parameters())
+    client = start(model, opt, mode="sync")
+
+    def train(c: PSClient, net: torch.nn.Module, steps: range) -> None:
+        for step in steps:
+            x, y = batch(step, 8)
+            net.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            c.step(8)
+
+    train(client, model, range(3))
+    sd = client.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    sd = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)  # checkpoint-safe: tensors and containers
+    train(client, model, range(3, 5))
+    want = [t.clone() for t in model.state_dict().values()]
+    model2 = mlp(seed=2, bn=True)
+    client2 = start(model2, make_opt("lamb", model2.parameters()), mode="sync")
+    client2.load_state_dict(sd)
+    train(client2, model2, range(3, 5))
+    assert all(torch.equal(a, b) for a, b in zip(want, model2.state_dict().values(), strict=True))
+    assert client2.state_dict()["shards"][0]["version"] == 5
+
+    other = mlp(seed=0)
+    client3 = start(other, make_opt("lamb", other.parameters()), mode="sync")
+    with pytest.raises(ValueError, match="another model"):
+        client3.load_state_dict(sd)
+    with pytest.raises(ValueError, match="not a PS state dict"):
+        client3.load_state_dict({"shards": []})
+
+
+def test_dispatch_and_stop_in_process() -> None:
+    model = mlp(seed=0)
+    client = start(model, make_opt("sgd", model.parameters()), mode="async")
+    with pytest.raises(RuntimeError, match="start_epoch"):
+        client.next_batch()
+    client.start_epoch(0, 4)
+    assert [client.next_batch() for _ in range(5)] == [0, 1, 2, 3, None]
+    client.start_epoch(1, 2)
+    assert [client.next_batch() for _ in range(3)] == [0, 1, None]
+    assert not client.stop_requested()
+    client.request_stop()
+    assert client.stop_requested()
+    assert client.metrics()["batches"] == 6
+    with pytest.raises(ValueError, match="num_batches"):
+        client.start_epoch(2, -1)
+    client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        client.step(1)
+
+
+def test_staleness_scaling_inverse_scales_by_one_over_tau() -> None:
+    """Drive a shard directly: a push of staleness 3 is scaled by 1/3 (SGD lr=1, no momentum)."""
+    from ivyplug.ps.mirror import OptimizerSpec
+    from ivyplug.ps.server import HYPER_PREFIX, ShardServer
+    from ivyplug.ps.sharding import TensorSpec, build_plan
+
+    p = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=1.0)
+    spec = OptimizerSpec.from_optimizer(opt, [p])
+    plan = build_plan([TensorSpec("p", (4,))], 1)
+    for scaling, want in (("inverse", -1.0 / 3.0), ("none", -1.0)):
+        srv = ShardServer(0, plan, PSConfig(mode="async", staleness_scaling=scaling), 2, spec, torch.zeros(4))
+        hyper = torch.cat([torch.tensor([-1.0, 1.0], dtype=torch.float64), spec.encode(opt)])
+        assert hyper.numel() == HYPER_PREFIX + spec.num_values
+        with srv.cond:
+            srv.snapshot(1)  # worker 1 saw version 0
+            for _ in range(3):
+                srv.push(0, torch.zeros(4), hyper)
+            before = srv.masters[0].detach().clone()
+            tau = srv.push(1, torch.ones(4), hyper)
+        assert tau == 3
+        torch.testing.assert_close(srv.masters[0].detach() - before, torch.full((4,), want))
+
+
+def test_hyperparameters_follow_the_worker_optimizer() -> None:
+    model = mlp(seed=0)
+    opt = torch.optim.SGD(
+        [{"params": list(model.parameters())[:2], "lr": 0.5}, {"params": list(model.parameters())[2:]}],
+        lr=0.1,
+        momentum=0.5,
+    )
+    client = start(model, opt, mode="async")
+    opt.param_groups[0]["lr"] = 0.25
+    opt.param_groups[1]["momentum"] = 0.0
+    x, y = batch(0, 4)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    client.step(4)
+    assert client.server is not None and client.server.optimizer is not None
+    groups = client.server.optimizer.param_groups
+    assert [g["lr"] for g in groups] == [0.25, 0.1] and [g["momentum"] for g in groups] == [0.5, 0.0]
+
+
+def test_splitting_rows_changes_lamb_trust_ratio_as_documented() -> None:
+    """With row blocks, LAMB's trust ratio is computed per block: results differ from whole-layer LAMB."""
+    results = []
+    for limit in (None, 64):
+        model = mlp(seed=0)
+        opt = make_opt("lamb", model.parameters())
+        client = start(model, opt, mode="async", max_shard_bytes=limit)
+        x, y = batch(0, 8)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        client.step(8)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert not all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_bad_arguments_are_refused() -> None:
+    from ivyplug.optim import LAMB
+
+    model = mlp(seed=0)
+    params = list(model.named_parameters())
+    with pytest.raises(ValueError, match="optimizer is required"):
+        PSClient.start(PSConfig(), params, [], None)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        PSClient.start(PSConfig(), params, [], LAMB(model.parameters(), max_grad_norm=1.0))
+    with pytest.raises(ValueError, match="num_servers"):
+        PSClient.start(PSConfig(num_servers=2), params, [], make_opt("sgd", model.parameters()))
+    with pytest.raises(ValueError, match="world_size > 1"):
+        PSClient.start(PSConfig(), params, [], make_opt("sgd", model.parameters()), rank=0, world_size=2)
+    client = start(model, make_opt("sgd", model.parameters()))
+    with pytest.raises(ValueError, match="num_samples"):
+        client.step(0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        client.step(2, max_grad_norm=-1.0)

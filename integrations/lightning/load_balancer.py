@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -161,6 +162,8 @@ class IvyLoadBalancer(Callback):
         if stage != "fit":
             return
         self._trainer_ref = trainer
+        # ivy/ epoch metrics are gathered (identical on every rank) before logging: no sync_dist needed
+        warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('ivy/", category=Warning)
         self._world = trainer.world_size
         self._rank = trainer.global_rank
         probes = self.probes() if callable(self.probes) else self.probes

@@ -15,7 +15,7 @@ def digits_dataset(n: int = 512) -> TensorDataset:
     x, y = load_digits(return_X_y=True)
     xt = torch.tensor(x[:n] / 16.0, dtype=torch.float32)
     yt = torch.tensor(y[:n], dtype=torch.long)
-    return TensorDataset(xt, yt)
+    return TensorDataset(xt, yt, torch.arange(len(yt)))
 
 
 class DigitsMLP(pl.LightningModule):
@@ -42,22 +42,22 @@ class DigitsMLP(pl.LightningModule):
         self.oom_above = oom_above
         self.sleep_per_sample = sleep_per_sample
         self.slow_rank = slow_rank
+        self.oom_rank = 0
         self.seen: list[tuple[int, int]] = []  # (epoch, sample index) pairs trained on
         self.batch_sizes: list[tuple[int, int]] = []  # (epoch, len(batch)) per training_step call
         self.dataset = digits_dataset(n)
-        self.index_of = {tuple(row.tolist()): i for i, row in enumerate(self.dataset.tensors[0])}
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        if self.oom_above is not None and len(x) > self.oom_above:
+        x, y, index = batch
+        if self.oom_above is not None and len(x) > self.oom_above and self.global_rank == self.oom_rank:
             raise torch.OutOfMemoryError(f"fake: {len(x)} samples > {self.oom_above}")
         if self.sleep_per_sample and self.global_rank == self.slow_rank:
             time.sleep(self.sleep_per_sample * len(x))
         self.batch_sizes.append((self.current_epoch, len(x)))
-        self.seen.extend((self.current_epoch, self.index_of[tuple(row.tolist())]) for row in x)
+        self.seen.extend((self.current_epoch, int(i)) for i in index)
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -122,8 +122,7 @@ def test_oom_beyond_the_split_limit_is_a_clear_error() -> None:
 
 class _Stream(IterableDataset):
     def __iter__(self):  # type: ignore[no-untyped-def]
-        data = digits_dataset(64)
-        return iter(zip(*data.tensors, strict=True))
+        return iter(zip(*digits_dataset(64).tensors, strict=True))
 
 
 def test_iterable_dataset_is_monitored_only() -> None:

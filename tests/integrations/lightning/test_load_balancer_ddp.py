@@ -1,0 +1,73 @@
+"""IvyLoadBalancer under ``ddp`` with 2 CPU processes: a slowed rank's share falls and the gap closes,
+every sample is still used once per epoch, a user's comm hook is composed, an OOM on one rank is
+recovered by micro-batches, and the replicas stay equal. One run, many assertions (it costs ~15-60 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).with_name("lb_ddp_job.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("lb_ddp")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, log[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ranks_agree_and_the_slow_ranks_share_falls(ranks: list[dict]) -> None:
+    r0, r1 = ranks
+    assert [h["next_shares"] for h in r0["history"]] == [h["next_shares"] for h in r1["history"]]
+    assert r0["shares"] == r1["shares"] and sum(r0["shares"]) == 64
+    first = r0["history"][0]["next_shares"]
+    assert first[1] < 32 < first[0] and min(first) >= 1  # rank 1 sleeps per sample: smaller share
+    times = [[rank["compute_time"] for rank in h["ranks"]] for h in r0["history"]]
+    gap_first = abs(times[0][1] - times[0][0])
+    gap_last = abs(times[-1][1] - times[-1][0])
+    assert gap_last < 0.5 * gap_first, times
+    assert times[-1][1] < 0.5 * times[0][1], times
+
+
+def test_every_sample_once_per_epoch_with_equal_step_counts(ranks: list[dict]) -> None:
+    r0, r1 = ranks
+    for epoch in range(3):
+        seen = [i for rank in ranks for e, i in rank["seen"] if e == epoch]
+        assert sorted(seen) == list(range(384)), epoch
+    for h in r0["history"]:
+        assert h["ranks"][0]["steps"] == h["ranks"][1]["steps"] == 6
+    epoch1 = [size for e, size in r1["batch_sizes"] if e == 1]
+    assert epoch1 and all(s == r0["history"][0]["next_shares"][1] for s in epoch1)
+
+
+def test_oom_on_one_rank_is_split_and_user_hook_is_composed(ranks: list[dict]) -> None:
+    r0, r1 = ranks
+    assert r0["oom_count"] >= 1 and r1["oom_count"] == 0
+    assert max(size for e, size in r0["batch_sizes"] if e > 0) <= 48  # rank 0's share > 48 ran as micro-batches
+    for rank in ranks:
+        assert rank["user_hook_calls"] == rank["share_hook_calls"] > 0
+    for p, q in zip(r0["params"], r1["params"], strict=True):
+        assert max(abs(a - b) for a, b in zip(p, q, strict=True)) <= 1e-6
+    assert "ivy/rank1/compute_time" in r0["logged"] and "ivy/share" in r0["logged"]

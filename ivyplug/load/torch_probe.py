@@ -53,6 +53,16 @@ class TorchAllocatorProbe:
         torch = self._torch()
         return bool(torch is not None and torch.cuda.is_available())
 
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why there are no allocator readings (``None`` when CUDA is available)."""
+        torch = self._torch()
+        if torch is None:
+            return "torch is not installed"
+        if not torch.cuda.is_available():
+            return f"no CUDA device (torch {torch.__version__}): only the OOM count is reported"
+        return None
+
     def read(self) -> Readings:
         out: Readings = {"oom_count": float(self._oom_count)}
         torch = self._torch()

@@ -1,0 +1,308 @@
+"""LAMB for Keras 3: the same algorithm, defaults and choices as :class:`ivyplug.optim.LAMB`.
+
+Keras traps this class works around (checked on Keras 3.15.1, TensorFlow backend):
+
+* The base optimizer applies *decoupled* weight decay when it is given ``weight_decay``; LAMB's
+  decay belongs inside the trust-ratio update, so the base class always gets ``None`` and LAMB keeps
+  its own value (``lamb_weight_decay``, written to the config as ``weight_decay``).
+* Keras's ``clipnorm`` / ``global_clipnorm`` run per replica, before the cross-replica sum. LAMB's
+  ``max_grad_norm`` clips by the global norm of the *aggregated* gradient: under
+  ``tf.distribute`` the clip runs right after Keras's all-reduce (``_all_reduce_sum_gradients``),
+  so a mirrored run takes the same step as a single-device run on the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+from keras import ops
+
+__all__ = ["LAMB"]
+
+_CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_ and ivyplug.optim.LAMB
+_INT_COUNTER_DTYPE = "int"  # int64 on TensorFlow, int32 on JAX (the base class's own iteration dtype)
+
+
+def _check_patterns(name: str, patterns: Sequence[str] | None) -> tuple[str, ...]:
+    """Validate a list of regular expressions matched against variable paths."""
+    if patterns is None:
+        return ()
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
+        raise ValueError(f"{name} must be a list of regular expressions (e.g. ['bias', 'norm']), got {patterns!r}")
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"{name} must hold non-empty strings, got {pattern!r}")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{name} holds an invalid regular expression {pattern!r}: {exc}") from None
+    return tuple(patterns)
+
+
+def _check_number(
+    name: str, value: Any, allowed: str, ok: Callable[[float], bool], *, allow_inf: bool = False
+) -> float:
+    """``float(value)`` when it is a real number that passes ``ok``; otherwise a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    number = float(value)
+    if math.isnan(number) or (math.isinf(number) and not allow_inf) or not ok(number):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return number
+
+
+def _constant(value: float, dtype: Any) -> Any:
+    """A Python float as a tensor of ``dtype``, without a detour through float32 (``ops.cast(0.01, "float64")``
+    on TensorFlow rounds 0.01 to float32 first)."""
+    return ops.convert_to_tensor(value, dtype=dtype)
+
+
+def _variable_path(variable: Any) -> str:
+    """The name patterns are matched against: ``layer/.../name`` when Keras knows it."""
+    return str(getattr(variable, "path", None) or variable.name)
+
+
+@keras.saving.register_keras_serializable(package="ivyplug")
+class LAMB(keras.optimizers.Optimizer):
+    """LAMB (You et al., ICLR 2020, Algorithm 2) with a bounded layer-wise trust ratio.
+
+    For every variable ``x`` with gradient ``g`` at step ``t``::
+
+        m = beta_1 m + (1 - beta_1) g          v = beta_2 v + (1 - beta_2) g²
+        m̂ = m / (1 - beta_1^t)                 v̂ = v / (1 - beta_2^t)       (if bias_correction)
+        u = m̂ / (√v̂ + epsilon) + weight_decay · x
+        ratio = clip(‖x‖ / ‖u‖, min_trust_ratio, max_trust_ratio)   (1 if ‖x‖ = 0 or ‖u‖ = 0)
+        x = x - learning_rate · ratio · u
+
+    Choices (the same as the torch ``ivyplug.optim.LAMB``):
+
+    * Weight decay sits inside the trust-ratio update, as in the paper; it is not Keras's decoupled decay.
+    * The *ratio* is clipped (not the norms); the fallback ratio 1 (‖x‖ or ‖u‖ zero or not finite) is not clipped.
+    * ``max_grad_norm`` clips all gradients by their global norm after the cross-replica sum
+      with ``clip_grad_norm_``'s coefficient: g ← g · min(1, max_grad_norm / (‖g‖ + 1e-6)).
+    * ``exclude_from_layer_adaptation`` / ``exclude_from_weight_decay`` are regular expressions searched
+      in each variable's path (``"dense_1/bias"``): matching variables get ratio 1 / no decay. The base
+      class's ``exclude_from_weight_decay(var_list=..., var_names=...)`` method, called before the
+      optimizer is built, is honoured as well.
+    * Non-finite gradients: if any aggregated gradient holds a NaN or an infinity (or their global norm
+      overflows), the whole step is skipped (no variable, moment or bias-correction step changes) and
+      :attr:`skipped_steps` counts it. ``iterations`` still advances, as for every Keras optimizer; bias
+      correction uses the number of applied steps, as the torch LAMB does.
+    * Sparse (``IndexedSlices``) gradients are made dense: LAMB decays every moment entry each step.
+
+    Example:
+        >>> import numpy as np, keras
+        >>> from ivyplug.integrations.keras import LAMB
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> opt = LAMB(learning_rate=1e-2, exclude_from_layer_adaptation=["bias"],
+        ...            exclude_from_weight_decay=["bias"])
+        >>> model.compile(optimizer=opt, loss="mse")
+        >>> x, y = np.ones((8, 4), "float32"), np.zeros((8, 2), "float32")
+        >>> _ = model.fit(x, y, epochs=1, verbose=0)
+        >>> int(opt.iterations), int(opt.skipped_steps)
+        (1, 0)
+        >>> model.compile(optimizer={"class_name": "ivyplug>LAMB", "config": {"learning_rate": 1e-3}}, loss="mse")
+        >>> type(model.optimizer).__name__
+        'LAMB'
+    """
+
+    def __init__(
+        self,
+        learning_rate: Any = 1e-3,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+        max_trust_ratio: float = 10.0,
+        min_trust_ratio: float = 0.0,
+        max_grad_norm: float | None = None,
+        exclude_from_layer_adaptation: Sequence[str] | None = None,
+        exclude_from_weight_decay: Sequence[str] | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(learning_rate, numbers.Real) and not isinstance(learning_rate, bool):
+            learning_rate = _check_number("learning_rate", learning_rate, "a finite float >= 0", lambda x: x >= 0)
+        beta_1 = _check_number("beta_1", beta_1, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
+        beta_2 = _check_number("beta_2", beta_2, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
+        epsilon = _check_number("epsilon", epsilon, "a finite float >= 0", lambda x: x >= 0)
+        weight_decay = _check_number("weight_decay", weight_decay, "a finite float >= 0", lambda x: x >= 0)
+        if not isinstance(bias_correction, bool):
+            raise ValueError(f"bias_correction must be True or False, got {bias_correction!r}")
+        max_trust_ratio = _check_number(
+            "max_trust_ratio", max_trust_ratio, "a float > 0 (inf allowed)", lambda x: x > 0, allow_inf=True
+        )
+        min_trust_ratio = _check_number(
+            "min_trust_ratio", min_trust_ratio, f"in [0, max_trust_ratio={max_trust_ratio}]", lambda x: x >= 0
+        )
+        if min_trust_ratio > max_trust_ratio:
+            raise ValueError(
+                f"min_trust_ratio must be in [0, max_trust_ratio={max_trust_ratio}], got {min_trust_ratio!r}"
+            )
+        if max_grad_norm is not None:
+            max_grad_norm = _check_number("max_grad_norm", max_grad_norm, "None or a finite float > 0", lambda x: x > 0)
+        layer_patterns = _check_patterns("exclude_from_layer_adaptation", exclude_from_layer_adaptation)
+        decay_patterns = _check_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
+
+        # weight_decay=None: the base class would otherwise add decoupled decay on top of LAMB's.
+        super().__init__(learning_rate=learning_rate, weight_decay=None, name=name, **kwargs)
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+        self.lamb_weight_decay = weight_decay
+        self.bias_correction = bias_correction
+        self.max_trust_ratio = max_trust_ratio
+        self.min_trust_ratio = min_trust_ratio
+        self.max_grad_norm = max_grad_norm
+        self.layer_adaptation_patterns = layer_patterns
+        self.weight_decay_patterns = decay_patterns
+
+    def build(self, var_list: list[Any]) -> None:
+        """Create the moments, the skipped-step counter and the per-variable exclusion flags."""
+        if self.built:
+            return
+        super().build(var_list)
+        self._momentums, self._velocities = self.add_optimizer_variables(var_list, ["momentum", "velocity"])
+        self._skipped_steps = self.add_variable(
+            shape=(), dtype=_INT_COUNTER_DTYPE, aggregation="only_first_replica", name="skipped_steps"
+        )
+        adapt, decay = [], []
+        for variable in var_list:
+            path = _variable_path(variable)
+            adapt.append(not any(re.search(p, path) for p in self.layer_adaptation_patterns))
+            decay.append(
+                self.lamb_weight_decay > 0
+                and not any(re.search(p, path) for p in self.weight_decay_patterns)
+                and self._use_weight_decay(variable)
+            )
+        # Tuples of plain bools: Keras's tracker leaves them alone.
+        self._adapt_flags = tuple(adapt)
+        self._decay_flags = tuple(decay)
+
+    @property
+    def skipped_steps(self) -> Any:
+        """How many steps were skipped because a gradient was not finite (a Keras variable; 0 before build)."""
+        if not self.built:
+            return 0
+        return self._skipped_steps
+
+    # The aggregate-then-clip part of a step -------------------------------------------------------
+
+    def _apply_weight_decay(self, variables: Any) -> None:
+        """No decoupled decay: LAMB's decay is inside its update (the base gets weight_decay=None anyway)."""
+
+    def _screen_gradients(self, grads: list[Any]) -> tuple[list[Any], Any]:
+        """Clip by the global norm (when asked) and decide whether the step runs (the global norm is finite).
+
+        Runs on the aggregated gradients, so every replica computes the same result.
+        """
+        grads = [ops.convert_to_tensor(g) for g in grads]
+        norm_dtype = keras.backend.result_type(*[g.dtype for g in grads], "float32")
+        total = ops.sqrt(ops.sum(ops.stack([ops.sum(ops.square(ops.cast(g, norm_dtype))) for g in grads])))
+        finite = ops.isfinite(total)  # False when any element is NaN/Inf, or when the norm overflows
+        if self.max_grad_norm is None:
+            return grads, finite
+        # The coefficient of torch.nn.utils.clip_grad_norm_ (and of ivyplug.optim.LAMB): min(1, c / (‖g‖ + 1e-6)).
+        scale = ops.minimum(_constant(self.max_grad_norm, norm_dtype) / (total + _CLIP_EPS), 1)
+        return [g * ops.cast(scale, g.dtype) for g in grads], finite
+
+    def _backend_update_step(self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any) -> None:
+        if keras.backend.backend() == "tensorflow":
+            self._tf_update_step(grads, trainable_variables, learning_rate)
+        else:
+            grads, finite = self._screen_gradients(list(grads))
+            for grad, variable in zip(grads, trainable_variables, strict=True):
+                self._lamb_update(grad, variable, learning_rate, finite)
+            self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), self._skipped_steps.dtype))
+
+    def _tf_update_step(self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any) -> None:
+        """TensorFlow: sum over replicas (Keras's own all-reduce), clip, then update each variable's copies."""
+        import tensorflow as tf
+
+        tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
+        reduced = self._all_reduce_sum_gradients(list(zip(grads, tf_vars, strict=True)))
+        dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g, _ in reduced]
+        dense, finite = self._screen_gradients(dense)
+
+        def update_one(var: Any, grad: Any, lr: Any, ok: Any) -> None:  # `update` passes the variable first
+            self._lamb_update(grad, var, lr, ok)
+
+        def merge_update(distribution: Any, grads_and_vars: list[Any], lr: Any, ok: Any) -> None:
+            for grad, var in grads_and_vars:
+                distribution.extended.update(var, update_one, args=(grad, lr, ok), group=False)
+
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            merge_update, self._distribution_strategy, list(zip(dense, tf_vars, strict=True)), learning_rate, finite
+        )
+        self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), self._skipped_steps.dtype))
+
+    # The per-variable LAMB step ---------------------------------------------------------------------
+
+    def update_step(self, gradient: Any, variable: Any, learning_rate: Any) -> None:
+        """One variable's step (Keras API); skipped when this gradient is not finite."""
+        self._lamb_update(gradient, variable, learning_rate, ops.all(ops.isfinite(gradient)))
+
+    def _lamb_update(self, gradient: Any, variable: Any, learning_rate: Any, apply: Any) -> None:
+        index = self._get_variable_index(variable)
+        dtype = variable.dtype
+        m = self._momentums[index]
+        v = self._velocities[index]
+        g = ops.cast(gradient, dtype)
+        lr = ops.cast(learning_rate, dtype)
+        b1 = _constant(self.beta_1, dtype)
+        b2 = _constant(self.beta_2, dtype)
+
+        m_new = m * b1 + g * (1 - b1)
+        v_new = v * b2 + ops.square(g) * (1 - b2)
+        if self.bias_correction:
+            step = ops.cast(self.iterations + 1 - ops.cast(self._skipped_steps, self.iterations.dtype), dtype)
+            m_hat = m_new / (1 - ops.power(b1, step))
+            v_hat = v_new / (1 - ops.power(b2, step))
+        else:
+            m_hat, v_hat = m_new, v_new
+        update = m_hat / (ops.sqrt(v_hat) + _constant(self.epsilon, dtype))
+        if self._decay_flags[index]:
+            update = update + _constant(self.lamb_weight_decay, dtype) * variable
+        if self._adapt_flags[index]:
+            x_norm = ops.sqrt(ops.sum(ops.square(variable)))
+            u_norm = ops.sqrt(ops.sum(ops.square(update)))
+            usable = ops.logical_and(
+                ops.logical_and(x_norm > 0, u_norm > 0), ops.logical_and(ops.isfinite(x_norm), ops.isfinite(u_norm))
+            )
+            ratio = ops.clip(
+                x_norm / ops.where(usable, u_norm, 1),
+                _constant(self.min_trust_ratio, dtype),
+                _constant(self.max_trust_ratio, dtype),
+            )
+            ratio = ops.where(usable, ratio, ops.ones_like(ratio))  # the fallback 1 is not clipped
+            update = update * (lr * ratio)
+        else:
+            update = update * lr
+
+        self.assign(m, ops.where(apply, m_new, m))
+        self.assign(v, ops.where(apply, v_new, v))
+        self.assign_sub(variable, ops.where(apply, update, ops.zeros_like(update)))
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            {
+                "beta_1": self.beta_1,
+                "beta_2": self.beta_2,
+                "epsilon": self.epsilon,
+                "weight_decay": self.lamb_weight_decay,
+                "bias_correction": self.bias_correction,
+                "max_trust_ratio": self.max_trust_ratio,
+                "min_trust_ratio": self.min_trust_ratio,
+                "max_grad_norm": self.max_grad_norm,
+                "exclude_from_layer_adaptation": list(self.layer_adaptation_patterns),
+                "exclude_from_weight_decay": list(self.weight_decay_patterns),
+            }
+        )
+        return config

@@ -49,6 +49,7 @@ class Spy(keras.callbacks.Callback):
     def __init__(self) -> None:
         super().__init__()
         self.steps: list[tuple[float, int]] = []
+        self.step_logs: list[list[str]] = []
         self._lr = 0.0
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
@@ -56,6 +57,7 @@ class Spy(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self.steps.append((self._lr, round(float(logs["seen"]))))
+        self.step_logs.append(sorted(k for k in logs if k.startswith("ivy/")))
 
 
 def _model(optimizer: Any) -> Any:
@@ -124,7 +126,7 @@ def test_single_device_sgd_grows_linearly(digits: Any) -> None:
     x, y = digits
     data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)
     model = _model(keras.optimizers.SGD(0.05))
-    balancer = _balancer(data, [IDLE, BUSY, IDLE, BUSY], max_batch_size=64)
+    balancer = _balancer(data, [IDLE, BUSY, IDLE, BUSY], max_batch_size=64, log_every_n_steps=3)
     spy = Spy()
     history = model.fit(
         data.tf_dataset(),
@@ -139,6 +141,9 @@ def test_single_device_sgd_grows_linearly(digits: Any) -> None:
     for lr, batch in spy.steps:
         assert lr == pytest.approx(0.05 * _expected_factor("linear", batch, 16), rel=1e-6)
     assert float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)) == pytest.approx(0.1)
+    # log_every_n_steps=3: the latest readings join the batch logs every third step only.
+    assert [bool(keys) for keys in spy.step_logs] == [(i + 1) % 3 == 0 for i in range(len(spy.step_logs))]
+    assert spy.step_logs[2] == ["ivy/cpu_util", "ivy/mem_total", "ivy/mem_used"]
 
 
 def test_memory_pressure_shrinks_to_the_bound(digits: Any) -> None:

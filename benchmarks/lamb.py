@@ -1,0 +1,343 @@
+"""``ivyplug bench lamb``: optimizer step time of ivyplug's LAMB next to AdamW and other LAMBs, on CPU.
+
+Why it is built this way (BRIEF §4, §7):
+
+* Every optimizer gets its own copy of the same random parameters and gradients, and they step **interleaved**,
+  round-robin in a rotating order, so that foreign load on a shared machine hits all of them alike; the table
+  reports medians and ratios to ``AdamW(fused=True)`` measured in the same rounds.
+* The memory-bandwidth floor is measured in the same run: the bandwidth of an in-place ``add_`` (12 bytes moved per
+  element) over tensors of the benchmark's size, times the 28 bytes per element that an Adam-family step must
+  move (read grad, read+write param, both moments).
+* glibc returns large freed blocks to the OS and faults them in again on the next step; kernels with per-step
+  temporaries pay for it. Each setting therefore runs twice, in fresh subprocesses: with the default allocator
+  and with ``MALLOC_TRIM_THRESHOLD_``/``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TOP_PAD_`` raised. Minor page faults per
+  step are recorded for every optimizer.
+* ``os.getloadavg()`` is recorded before and after each part: a load above the core count means the numbers are
+  inflated by other processes.
+
+timm's and torch-optimizer's ``Lamb`` are measured only when importable (they are not ivyplug dependencies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+DESCRIPTION = "LAMB step time vs AdamW (loop/foreach/fused), other LAMBs and the memory-bandwidth floor (CPU)"
+
+#: label -> (total parameters, tensors); half the tensors are square 2-D weights, half 1-D biases.
+SIZES: dict[str, tuple[int, int]] = {"1M": (1_000_000, 40), "10M": (10_000_000, 100)}
+#: glibc settings of the "raised" run: no trimming, no mmap for blocks up to 32 MiB (the maximum), 256 MiB top pad.
+RAISED_MALLOC_ENV = {
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TOP_PAD_": str(256 << 20),
+}
+BYTES_PER_ELEMENT = 28
+REFERENCE = "AdamW fused=True"
+LAMB_DEFAULT = "ivyplug LAMB (default: multi-tensor)"
+TARGET_VS_FUSED_ADAMW = 2.5
+TARGET_VS_TORCH_OPTIMIZER = 1.25
+CHILD_TIMEOUT_S = {True: 300.0, False: 1800.0}
+
+
+def _make_params(total: int, n_tensors: int, seed: int) -> list[Any]:
+    """``n_tensors/2`` square weights and as many biases adding up to about ``total`` elements, with grads."""
+    import torch
+
+    n_weights = max(1, n_tensors // 2)
+    side = max(1, round((total / n_weights) ** 0.5))
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for _ in range(n_weights):
+        for shape in ((side, side), (side,)):
+            p = torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
+            p.grad = torch.randn(shape, generator=gen) * 1e-3
+            params.append(p)
+    return params
+
+
+def _contenders() -> list[tuple[str, Callable[[list[Any]], Any] | None, str]]:
+    """(name, factory or None, status). A factory returns a step function."""
+    import torch
+
+    from ivyplug.optim import LAMB
+    from ivyplug.optim import functional as lamb_functional
+
+    def stepper(opt: Any) -> Callable[[], None]:
+        return lambda: opt.step()
+
+    def plain_foreach_lamb(params: list[Any]) -> Callable[[], None]:
+        opt = LAMB(params, weight_decay=0.01, foreach=True)
+        cache = lamb_functional._FUSED_MOMENTS_SUPPORT
+        key = (params[0].device, params[0].dtype)
+
+        def step() -> None:
+            saved = cache.get(key)
+            cache[key] = False  # the kernel accelerators run: plain _foreach ops, no fused moments
+            try:
+                opt.step()
+            finally:
+                if saved is None:
+                    cache.pop(key, None)
+                else:
+                    cache[key] = saved
+
+        return step
+
+    rows: list[tuple[str, Callable[[list[Any]], Any] | None, str]] = [
+        ("AdamW foreach=False", lambda ps: stepper(torch.optim.AdamW(ps, weight_decay=0.01, foreach=False)), "ok"),
+        ("AdamW foreach=True", lambda ps: stepper(torch.optim.AdamW(ps, weight_decay=0.01, foreach=True)), "ok"),
+        (REFERENCE, lambda ps: stepper(torch.optim.AdamW(ps, weight_decay=0.01, fused=True)), "ok"),
+        ("ivyplug LAMB loop (foreach=False)", lambda ps: stepper(LAMB(ps, weight_decay=0.01, foreach=False)), "ok"),
+        (LAMB_DEFAULT, lambda ps: stepper(LAMB(ps, weight_decay=0.01)), "ok"),
+        ("ivyplug LAMB multi-tensor, plain _foreach ops", plain_foreach_lamb, "ok"),
+        (
+            "ivyplug LAMB default + max_grad_norm=1",
+            lambda ps: stepper(LAMB(ps, weight_decay=0.01, max_grad_norm=1.0)),
+            "ok",
+        ),
+    ]
+    try:
+        import torch_optimizer
+
+        rows.append(
+            ("torch-optimizer Lamb", lambda ps: stepper(torch_optimizer.Lamb(ps, weight_decay=0.01)), "ok"),
+        )
+    except Exception as exc:
+        rows.append(("torch-optimizer Lamb", None, f"not installed ({type(exc).__name__})"))
+    try:
+        from timm.optim import Lamb as TimmLamb
+
+        rows.append(("timm Lamb", lambda ps: stepper(TimmLamb(ps, weight_decay=0.01)), "ok"))
+    except Exception as exc:
+        rows.append(("timm Lamb", None, f"not installed ({type(exc).__name__}: {str(exc)[:60]})"))
+    return rows
+
+
+def _add_bandwidth(total: int, repeats: int) -> float:
+    """Bytes/s of an in-place ``a.add_(b)`` over ``total`` float32 elements (read a, read b, write a)."""
+    import torch
+
+    a = torch.zeros(total)
+    b = torch.ones(total)
+    for _ in range(3):
+        a.add_(b)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.add_(b)
+        times.append(time.perf_counter() - t0)
+    return 12.0 * total / statistics.median(times)
+
+
+def _measure_size(label: str, total: int, n_tensors: int, warmup: int, steps: int) -> dict[str, Any]:
+    contenders = _contenders()
+    steppers: dict[str, Callable[[], None]] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    n_params = 0
+    for name, factory, status in contenders:
+        rows[name] = {"name": name, "status": status}
+        if factory is None:
+            continue
+        params = _make_params(total, n_tensors, seed=0)
+        n_params = sum(p.numel() for p in params)
+        try:
+            steppers[name] = factory(params)
+        except Exception as exc:  # a third-party optimizer that rejects this torch
+            rows[name]["status"] = f"error: {type(exc).__name__}: {str(exc)[:80]}"
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    faults: dict[str, int] = dict.fromkeys(steppers, 0)
+    names = list(steppers)
+    for r in range(warmup + steps):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            steppers[name]()
+            elapsed = time.perf_counter() - t0
+            after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            if r >= warmup:
+                times[name].append(elapsed)
+                faults[name] += after - before
+    bandwidth = _add_bandwidth(n_params, repeats=max(10, steps))
+    floor_ms = BYTES_PER_ELEMENT * n_params / bandwidth * 1e3
+    reference_ms = statistics.median(times[REFERENCE]) * 1e3 if REFERENCE in times else float("nan")
+    for name, samples in times.items():
+        q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [samples[0]] * 3
+        median_ms = statistics.median(samples) * 1e3
+        rows[name].update(
+            median_ms=median_ms,
+            p25_ms=q[0] * 1e3,
+            p75_ms=q[2] * 1e3,
+            ratio_vs_fused_adamw=median_ms / reference_ms,
+            ratio_vs_floor=median_ms / floor_ms,
+            minor_faults_per_step=faults[name] / len(samples),
+        )
+    return {
+        "label": label,
+        "params": n_params,
+        "tensors": n_tensors,
+        "steps": steps,
+        "warmup": warmup,
+        "add_bandwidth_gbs": bandwidth / 1e9,
+        "floor_ms": floor_ms,
+        "rows": [rows[name] for name, _, _ in contenders],
+    }
+
+
+def _child(config: dict[str, Any]) -> dict[str, Any]:
+    """One allocator setting, measured in this (fresh) process."""
+    import torch
+
+    if config.get("threads"):
+        torch.set_num_threads(int(config["threads"]))
+    load_before = os.getloadavg()
+    sizes = [_measure_size(label, total, n, config["warmup"], config["steps"]) for label, (total, n) in config["sizes"]]
+    return {
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "sizes": sizes,
+    }
+
+
+def _run_child(config: dict[str, Any], extra_env: dict[str, str], timeout: float) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(extra_env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ivyplug.benchmarks.lamb", "--child", json.dumps(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark child failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _targets(settings: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets at the largest size, judged on the default-allocator run."""
+    size = settings["default"]["sizes"][-1]
+    rows = {r["name"]: r for r in size["rows"]}
+    lamb = rows.get(LAMB_DEFAULT, {})
+    out: dict[str, Any] = {"size": size["label"], "lamb_vs_fused_adamw": lamb.get("ratio_vs_fused_adamw")}
+    ratio = out["lamb_vs_fused_adamw"]
+    out["lamb_vs_fused_adamw_met"] = ratio is not None and ratio <= TARGET_VS_FUSED_ADAMW
+    tor = rows.get("torch-optimizer Lamb", {})
+    if "median_ms" in tor and "median_ms" in lamb:
+        speedup = tor["median_ms"] / lamb["median_ms"]
+        out["speedup_vs_torch_optimizer"] = speedup
+        out["speedup_vs_torch_optimizer_met"] = speedup >= TARGET_VS_TORCH_OPTIMIZER
+    else:
+        out["speedup_vs_torch_optimizer"] = None
+        out["speedup_vs_torch_optimizer_met"] = None
+    return out
+
+
+def run(
+    quick: bool = False, sizes: dict[str, tuple[int, int]] | None = None, threads: int | None = None
+) -> dict[str, Any]:
+    """Both allocator settings, each in a fresh subprocess.
+
+    ``sizes`` overrides :data:`SIZES` and ``threads`` torch's intra-op thread count (smoke tests use tiny sizes and
+    one thread; the measurement uses torch's default).
+    """
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
+    chosen = SIZES if sizes is None else sizes
+    for label, (total, n) in chosen.items():
+        if total < 2 or n < 2:
+            raise ValueError(f"sizes[{label!r}] must have >= 2 elements and >= 2 tensors, got {(total, n)}")
+    config = {
+        "sizes": list(chosen.items()),
+        "warmup": 2 if quick else 5,
+        "steps": 5 if quick else 60,
+        "threads": threads,
+    }
+    load_before = os.getloadavg()
+    settings = {
+        "default": _run_child(config, {}, CHILD_TIMEOUT_S[quick]),
+        "glibc_raised": _run_child(config, RAISED_MALLOC_ENV, CHILD_TIMEOUT_S[quick]),
+    }
+    return {
+        "benchmark": "lamb",
+        "quick": quick,
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "settings": settings,
+        "targets": _targets(settings),
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """Markdown tables, one per allocator setting and size, plus the targets."""
+    lines: list[str] = []
+    load = results["loadavg_before"], results["loadavg_after"]
+    lines.append(
+        f"cpus: {results['cpu_count']}; load average (1/5/15 min) before {_fmt_load(load[0])}, "
+        f"after {_fmt_load(load[1])}{' (quick run: not a measurement)' if results['quick'] else ''}"
+    )
+    for setting, child in results["settings"].items():
+        env = ", ".join(f"{k}={v}" for k, v in sorted(child["malloc_env"].items())) or "glibc defaults"
+        lines.append("")
+        lines.append(f"### allocator: {setting} ({env}); torch {child['torch']}, {child['torch_threads']} threads")
+        before, after = _fmt_load(child["loadavg_before"]), _fmt_load(child["loadavg_after"])
+        lines.append(f"load average before {before}, after {after}")
+        for size in child["sizes"]:
+            lines.append("")
+            lines.append(
+                f"**{size['label']}**: {size['params']:,} params in {size['tensors']} tensors; median of "
+                f"{size['steps']} interleaved steps after {size['warmup']} warm-up; in-place add_ bandwidth "
+                f"{size['add_bandwidth_gbs']:.1f} GB/s, floor (28 B/element) {size['floor_ms']:.2f} ms"
+            )
+            lines.append("")
+            lines.append("| optimizer | median ms | p25–p75 ms | × fused AdamW | × floor | page faults/step |")
+            lines.append("|---|---:|---:|---:|---:|---:|")
+            for row in size["rows"]:
+                if "median_ms" not in row:
+                    lines.append(f"| {row['name']} | {row['status']} | | | | |")
+                    continue
+                lines.append(
+                    f"| {row['name']} | {row['median_ms']:.2f} | {row['p25_ms']:.2f}–{row['p75_ms']:.2f} | "
+                    f"{row['ratio_vs_fused_adamw']:.2f} | {row['ratio_vs_floor']:.2f} | "
+                    f"{row['minor_faults_per_step']:.0f} |"
+                )
+    t = results["targets"]
+    lines.append("")
+    lines.append(
+        f"targets at {t['size']} (default allocator): LAMB / fused AdamW = "
+        f"{_fmt(t['lamb_vs_fused_adamw'], '.2f')} (target <= {TARGET_VS_FUSED_ADAMW}: "
+        f"{'met' if t['lamb_vs_fused_adamw_met'] else 'NOT met'}); speed-up vs torch-optimizer Lamb = "
+        f"{_fmt(t['speedup_vs_torch_optimizer'], '.2f')} (target >= {TARGET_VS_TORCH_OPTIMIZER}: "
+        f"{ {True: 'met', False: 'NOT met', None: 'not measured'}[t['speedup_vs_torch_optimizer_met']] })"
+    )
+    return "\n".join(lines)
+
+
+def _fmt_load(load: Any) -> str:
+    return "/".join(f"{x:.2f}" for x in load)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(json.dumps(_child(json.loads(sys.argv[2]))))
+    else:
+        results = run(quick="--quick" in sys.argv)
+        print(format_table(results))

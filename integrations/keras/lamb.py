@@ -81,7 +81,9 @@ class LAMB(keras.optimizers.Optimizer):
 
     Choices (the same as the torch ``ivyplug.optim.LAMB``):
 
-    * Weight decay sits inside the trust-ratio update, as in the paper; it is not Keras's decoupled decay.
+    * Weight decay sits inside the trust-ratio update, as in the paper; it is not Keras's decoupled decay. The
+      value lives in ``lamb_weight_decay`` and in ``get_config()["weight_decay"]``; the base-class attribute
+      ``weight_decay`` stays ``None`` so that Keras adds no decay of its own.
     * The *ratio* is clipped (not the norms); the fallback ratio 1 (‖x‖ or ‖u‖ zero or not finite) is not clipped.
     * ``max_grad_norm`` clips all gradients by their global norm after the cross-replica sum
       with ``clip_grad_norm_``'s coefficient: g ← g · min(1, max_grad_norm / (‖g‖ + 1e-6)).

@@ -4,6 +4,7 @@ so MirroredStrategy has two replicas on this 2-core machine."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 
 import pytest
@@ -19,10 +20,22 @@ with contextlib.suppress(RuntimeError):
     tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 
 
+_key_bases = itertools.count(1)
+
+
 @pytest.fixture
 def mirrored() -> object:
-    """A MirroredStrategy over the two logical CPUs (skips if TF initialised too early)."""
+    """A fresh MirroredStrategy over the two logical CPUs (skips if TF initialised too early).
+
+    Every MirroredStrategy starts its collective keys at the same numbers and TF remembers each key's
+    tensor shape for the whole process, so a second strategy whose first all-reduce has another shape
+    aborts ("Shape mismatch in the collective instance"). Each strategy made here gets keys of its own.
+    """
     logical = tf.config.list_logical_devices("CPU")
     if len(logical) < 2:
         pytest.skip("TensorFlow was initialised before the logical-CPU split")
-    return tf.distribute.MirroredStrategy([d.name for d in logical[:2]])
+
+    class _OwnKeys(tf.distribute.MirroredStrategy):  # type: ignore[misc,name-defined]
+        _collective_key_base = 10_000_000 * next(_key_bases)
+
+    return _OwnKeys([d.name for d in logical[:2]])

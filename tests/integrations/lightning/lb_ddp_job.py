@@ -2,7 +2,7 @@
 
 Rank 1 sleeps per sample (a slower device), rank 0 fakes an out-of-memory error above a batch size,
 and the strategy carries a user's DDP comm hook that counts its calls. Each rank writes what it saw
-to ``<out>/rank<r>.json``. Usage: ``python lb_ddp_job.py OUT_DIR``.
+to ``<out>/rank<r>.json``. Usage: ``python lb_ddp_job.py OUT_DIR [ddp|ivy_ps_sync]``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def counting_allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future[tor
     return default_hooks.allreduce_hook(state, bucket)
 
 
-def main(out: Path) -> None:
+def main(out: Path, strategy_name: str) -> None:
     model = DigitsMLP(batch_size=32, n=384, optimizer="sgd", lr=0.05, oom_above=48, sleep_per_sample=0.003)
     model.oom_rank = 0
     cb = IvyLoadBalancer(
@@ -43,12 +43,18 @@ def main(out: Path) -> None:
         adapt_batch_size=False,
         log_every_n_steps=4,
     )
-    strategy = DDPStrategy(ddp_comm_hook=counting_allreduce_hook, process_group_backend="gloo")
+    if strategy_name == "ivy_ps_sync":  # the PS weights each rank's gradient by its sample count itself
+        from ivyplug.integrations.lightning import IvyPSStrategy
+
+        strategy: Any = IvyPSStrategy(mode="sync", timeout=120)
+    else:
+        strategy = DDPStrategy(ddp_comm_hook=counting_allreduce_hook, process_group_backend="gloo")
     trainer = pl.Trainer(strategy=strategy, callbacks=[cb], **trainer_kwargs(devices=2, max_epochs=3))
     trainer.fit(model)
     rank = trainer.global_rank
     result = {
         "rank": rank,
+        "strategy": strategy_name,
         "history": cb.history,
         "shares": cb.shares,
         "seen": model.seen,
@@ -60,9 +66,9 @@ def main(out: Path) -> None:
         "logged": sorted(trainer.logged_metrics),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp")

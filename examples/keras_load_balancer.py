@@ -42,18 +42,18 @@ IDLE = {"cpu_util": 15.0, "mem_used": 4.0, "mem_total": 16.0}  # grow: utilisati
 BUSY = {"cpu_util": 85.0, "mem_used": 11.0, "mem_total": 16.0}  # hold: memory 69 %, inside the band
 FULL = {"cpu_util": 95.0, "mem_used": 15.0, "mem_total": 16.0}  # shrink: memory 94 %
 TRACE = [IDLE, IDLE, IDLE, FULL, BUSY, BUSY, IDLE, BUSY]
-COLUMNS = ("ivy/batch_size", "ivy/lr_factor", "ivy/utilization", "ivy/memory_fraction")
+COLUMNS = ("ivy/batch_size", "ivy/lr_factor", "ivy/utilization", "ivy/memory_fraction", "ivy/callback_overhead")
 
 
 class PrintEpoch(keras.callbacks.Callback):
     """One line per epoch: loss, validation accuracy and the ivy/... metrics."""
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        print(f"{'epoch':>5} {'loss':>7} {'val_acc':>7} " + " ".join(f"{c:>19}" for c in COLUMNS), flush=True)
+        print(f"{'epoch':>5} {'loss':>7} {'val_acc':>7} " + " ".join(f"{c:>21}" for c in COLUMNS), flush=True)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         logs = logs or {}
-        cells = " ".join(f"{logs.get(c, float('nan')):>19.3f}" for c in COLUMNS)
+        cells = " ".join(f"{logs.get(c, float('nan')):>21.4f}" for c in COLUMNS)
         print(f"{epoch:>5} {logs['loss']:>7.4f} {logs.get('val_accuracy', float('nan')):>7.3f} {cells}", flush=True)
 
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch_size": history.history["ivy/batch_size"],
         "lr_factor": history.history["ivy/lr_factor"],
         "val_accuracy": history.history["val_accuracy"],
+        "callback_overhead": history.history["ivy/callback_overhead"],
     }
     print("RESULT " + json.dumps(result), flush=True)
     return result

@@ -21,7 +21,8 @@ The decisions are ivyplug's framework-free core (:mod:`ivyplug.load`): probes po
   ``on_train_begin`` with a ``ValueError`` unless ``lr_scaling="none"``.
 * **Metrics** go into ``logs`` at each epoch end (so into ``History``, TensorBoard and the progress bar):
   ``ivy/batch_size``, ``ivy/lr_factor`` (current LR / LR at the start), ``ivy/utilization``,
-  ``ivy/memory_fraction``, ``ivy/oom_count``, the epoch mean of every probe reading as ``ivy/<key>``
+  ``ivy/memory_fraction``, ``ivy/oom_count``, ``ivy/callback_overhead`` (this callback's hook time over
+  the epoch's training time), the epoch mean of every probe reading as ``ivy/<key>``
   (``ivy/cpu_util``, ``ivy/mem_used``, ``ivy/gpu0_util``, ...) and, with several workers,
   ``ivy/worker{w}/utilization`` and ``ivy/worker{w}/memory_fraction``. With ``log_every_n_steps`` the
   latest readings are also added to the batch logs every n steps.
@@ -40,6 +41,7 @@ OOM propagates.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -192,6 +194,9 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         self._pending: list[tuple[int, float]] = []  # (step, LR factor) not applied yet
         self._next_start: tuple[int, int] | None = None  # (B, stream position) for the next fit
         self._chunk_begin = 0
+        self._hook_s = 0.0  # time spent in this callback's hooks this epoch
+        self._epoch_t0 = 0.0
+        self._last_batch_t = 0.0
 
     # ----------------------------------------------------------------- config
     def get_config(self) -> dict[str, Any]:
@@ -282,24 +287,33 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             self.sampler = Sampler([_make_probe(p) for p in self.probe_specs], interval=self.interval)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        t = time.perf_counter()
+        self._epoch_t0 = self._last_batch_t = t
         self.epoch = epoch
         if self.dataset is not None:
             self.epoch_start_positions[epoch] = self.dataset.position_at(self.step)
         if self.sampler is not None:
             self.sampler.reset_window()
+        self._hook_s = time.perf_counter() - t
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        t = time.perf_counter()
         self._chunk_begin = batch
         while self._pending and self._pending[0][0] <= self.step:
             self._apply_lr(self._pending.pop(0)[1])
+        self._hook_s += time.perf_counter() - t
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        t = time.perf_counter()
         self.step += batch - self._chunk_begin + 1
         n = self.log_every_n_steps
         if n is not None and logs is not None and self.sampler is not None and self.step % n == 0:
             logs.update({f"ivy/{k}": v for k, v in self.sampler.latest().items()})
+        self._last_batch_t = time.perf_counter()
+        self._hook_s += self._last_batch_t - t
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        t = time.perf_counter()
         assert self.sampler is not None
         summary = self.sampler.summary()
         if not summary:  # an epoch shorter than the sampling interval
@@ -325,6 +339,11 @@ class IvyLoadBalancer(keras.callbacks.Callback):
                     metrics[f"ivy/worker{w}/utilization"] = float(obs.utilization)
                 if obs.memory_fraction is not None:
                     metrics[f"ivy/worker{w}/memory_fraction"] = float(obs.memory_fraction)
+        # Hook time over training time (epoch start to last batch, plus this hook); validation not counted.
+        hooks = self._hook_s + (time.perf_counter() - t)
+        metrics["ivy/callback_overhead"] = hooks / max(
+            self._last_batch_t - self._epoch_t0 + (time.perf_counter() - t), 1e-9
+        )
         if logs is not None:
             logs.update(metrics)
 

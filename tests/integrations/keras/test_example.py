@@ -15,6 +15,11 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "keras_load_balance
 
 
 def test_keras_load_balancer_example_quick(mirrored: object, capsys: pytest.CaptureFixture[str]) -> None:
+    import tensorflow as tf
+
+    # The example builds its own MirroredStrategy: give it collective keys no other strategy here uses
+    # (strategies in one process otherwise share key bases and TF's cached per-instance shapes).
+    tf.distribute.MirroredStrategy._collective_key_base += 100_000
     spec = importlib.util.spec_from_file_location("keras_load_balancer_example", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

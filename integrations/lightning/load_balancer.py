@@ -142,7 +142,7 @@ class IvyLoadBalancer(Callback):
         self.monitoring_only: str | None = None
 
         # runtime
-        self.hook_seconds = 0.0
+        self.hook_seconds = 0.0  # wall time spent in this callback's hooks (overhead measurement)
         self.steps = 0
         self._sampler: Sampler | None = None
         self._share_sampler: ShareBatchSampler | None = None
@@ -285,11 +285,13 @@ class IvyLoadBalancer(Callback):
         self._epoch_ooms += 1
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        start = time.perf_counter()
         self._reset_epoch()
         if self._sampler is not None:
             self._sampler.reset_window()
         if self._oom is not None:
             self._oom.new_epoch()
+        self.hook_seconds += time.perf_counter() - start
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -394,6 +396,13 @@ class IvyLoadBalancer(Callback):
         }
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        start = time.perf_counter()
+        try:
+            self._epoch_end(trainer, pl_module)
+        finally:
+            self.hook_seconds += time.perf_counter() - start
+
+    def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sampler is None or self.batch_size is None or self.shares is None:
             return
         self._sampler.sample_now()

@@ -18,7 +18,7 @@ NAME = "bench"
 HELP = "run a benchmark (medians and side-by-side ratios) and optionally write JSON results"
 
 #: Benchmark name -> module. Add a line when a benchmark lands.
-BENCHMARKS: dict[str, str] = {"lamb": "ivyplug.benchmarks.lamb"}
+BENCHMARKS: dict[str, str] = {"lamb": "ivyplug.benchmarks.lamb", "balance": "ivyplug.benchmarks.balance"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

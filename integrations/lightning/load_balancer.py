@@ -149,6 +149,7 @@ class IvyLoadBalancer(Callback):
         self._hook_state: ShareHookState | None = None
         self._oom: OOMRecovery | None = None
         self._user_hook: tuple[Any, Any] | None = None
+        self._taken_hook: tuple[Any, Any] | None = None
         self._orig_process: Callable[[object], object] | None = None
         self._rules: list[str] = []
         self._world = 1
@@ -189,6 +190,7 @@ class IvyLoadBalancer(Callback):
             hook = strategy._ddp_comm_hook
             wrapper = getattr(strategy, "_ddp_comm_wrapper", None)
             self._user_hook = (wrapper(hook) if wrapper is not None else hook, strategy._ddp_comm_state)
+            self._taken_hook = (hook, wrapper)
             strategy._ddp_comm_hook = None  # Lightning must not register it: ours calls it
             strategy._ddp_comm_wrapper = None
 
@@ -202,6 +204,11 @@ class IvyLoadBalancer(Callback):
             trainer.strategy.__dict__.pop("process_dataloader", None)
             self._orig_process = None
         self._trainer_ref = None
+        if self._taken_hook is not None:  # give the user's hook back to the strategy (a later fit may reuse it)
+            strategy: Any = trainer.strategy
+            strategy._ddp_comm_hook, strategy._ddp_comm_wrapper = self._taken_hook
+            self._taken_hook = None
+            self._user_hook = None
         if self._oom is not None:
             self._oom.remove()
             self._oom = None
@@ -213,7 +220,7 @@ class IvyLoadBalancer(Callback):
             [resolve_rule(self.lr_scaling, opt) for opt in trainer.optimizers] if self.adapt_batch_size else []
         )
         model = trainer.strategy.model
-        if self._world > 1 and isinstance(model, DistributedDataParallel):
+        if isinstance(model, DistributedDataParallel) and (self._world > 1 or self._user_hook is not None):
             user_hook, user_state = self._user_hook if self._user_hook is not None else (None, None)
             self._hook_state = ShareHookState(
                 world_size=self._world, process_group=model.process_group, user_hook=user_hook, user_state=user_state

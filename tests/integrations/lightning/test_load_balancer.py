@@ -172,3 +172,4 @@ def test_a_users_comm_hook_is_refused_on_request() -> None:
         assert composed._user_hook is not None and composed._user_hook[0] is default_hooks.allreduce_hook
     finally:
         composed.teardown(trainer, DigitsMLP(), "fit")
+    assert strategy._ddp_comm_hook is default_hooks.allreduce_hook  # given back for a later fit

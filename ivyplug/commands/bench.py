@@ -18,7 +18,11 @@ NAME = "bench"
 HELP = "run a benchmark (medians and side-by-side ratios) and optionally write JSON results"
 
 #: Benchmark name -> module. Add a line when a benchmark lands.
-BENCHMARKS: dict[str, str] = {"lamb": "ivyplug.benchmarks.lamb", "balance": "ivyplug.benchmarks.balance"}
+BENCHMARKS: dict[str, str] = {
+    "lamb": "ivyplug.benchmarks.lamb",
+    "balance": "ivyplug.benchmarks.balance",
+    "ps": "ivyplug.benchmarks.ps",
+}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,224 @@
+"""``ivyplug bench ps``: the parameter server against DDP, with and without a 3x slower worker.
+
+Side by side in one run, 2 workers on this machine's CPU cores (BRIEF §7): ``ddp``, ``ivy_ps_sync`` and
+``ivy_ps`` (async), each without a slow worker and with rank 1 simulated as a device 3x slower at compute (it
+sleeps (k-1) x 3 x its measured forward time every step). Compute-bound setting: the digits MLP 64-1024-1024-10
+at batch 256 per worker on the training set repeated 16x. Epoch time is the median over the epochs after the
+first (train time up to validation, which includes the wait for the slowest worker). Reported: epoch time,
+samples/s, validation accuracy, bytes each configuration moves per epoch. Targets (issue #4): without a slow
+worker sync and async reach >= 0.85x DDP's throughput; with the slow worker async's epoch time is <= 0.65x
+DDP's (0.5x is the overhead-free limit) at validation accuracy within 1 point of DDP's.
+
+The same run measures the PS transport: push+pull of one 4 MB and one 64 MB shard against gloo's raw
+point-to-point loopback bandwidth for the same sizes. ``os.getloadavg()`` is recorded around every run: on a
+shared machine a load above the core count inflates every number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = "PS vs DDP (sync, async; with a 3x slower worker) and PS push/pull vs gloo loopback bandwidth"
+
+SLOWDOWN = 3.0
+STRATEGIES = ("ddp", "ivy_ps_sync", "ivy_ps")
+SIZES_MB = (4, 64)
+TARGET_THROUGHPUT = 0.85
+TARGET_SLOW_RATIO = 0.65
+TARGET_ACC_POINTS = 1.0
+
+
+def _run_job(strategy: str, slowdown: float, epochs: int, repeat: int, timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "ivyplug.benchmarks.ps_job", "--strategy", strategy, "--slowdown", str(slowdown)]
+        cmd += ["--epochs", str(epochs), "--repeat", str(repeat), "--out", str(out)]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+        load_before = os.getloadavg()
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        try:
+            log, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"benchmark job {cmd} did not finish within {timeout} s") from exc
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"benchmark job {cmd} failed ({proc.returncode}):\n{log[-3000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+    result["loadavg_before"] = load_before
+    result["loadavg_after"] = os.getloadavg()
+    times = result["epoch_times"]
+    result["epoch_time"] = statistics.median(times[1:] if len(times) > 1 else times)
+    result["samples_per_s"] = result["train_samples"] / result["epoch_time"]
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int, out: str) -> None:
+    """Rank r of 2: gloo send/recv ping-pong, then PS push+pull of one shard held by the other rank."""
+    import torch
+    import torch.distributed as dist
+
+    from ivyplug.ps import PSClient, PSConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results: dict[str, Any] = {"gloo_p2p": {}, "ps_push_pull": {}}
+    try:
+        for mb in sizes_mb:
+            t = torch.ones(mb * 2**20 // 4)
+            times = []
+            for i in range(reps + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                if rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+                if i >= 2:
+                    times.append(time.perf_counter() - start)
+            # a round trip carries the tensor twice
+            results["gloo_p2p"][mb] = 2 * t.numel() * 4 / statistics.median(times) / 1e9
+
+            weight = torch.nn.Parameter(torch.zeros(mb * 2**20 // 4))
+            optimizer = torch.optim.SGD([weight], lr=0.0)
+            client = PSClient.start(
+                PSConfig(mode="async", timeout=120.0), [("w", weight)], optimizer=optimizer, rank=rank, world_size=2
+            )
+            try:
+                owner = client.plan.nonempty_shards()[0]
+                steps = []
+                if rank != owner:  # the worker whose shard lives on the other rank: every byte crosses gloo
+                    weight.grad = torch.ones_like(weight)
+                    for i in range(reps + 2):
+                        start = time.perf_counter()
+                        client.step(num_samples=1)
+                        if i >= 2:
+                            steps.append(time.perf_counter() - start)
+                client.sync()
+                if steps:
+                    results["ps_push_pull"][mb] = 2 * weight.numel() * 4 / statistics.median(steps) / 1e9
+            finally:
+                client.close()
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def measure_bandwidth(sizes_mb: tuple[int, ...] = SIZES_MB, reps: int = 5) -> dict[str, dict[int, float]]:
+    """GB/s of gloo point-to-point and of PS push+pull (one shard, remote), for each size, on loopback."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.start_processes(
+            _bandwidth_worker, args=(_free_port(), sizes_mb, reps, tmp), nprocs=2, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + 600
+        try:
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("bandwidth measurement did not finish within 600 s")
+        finally:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+        merged: dict[str, dict[int, float]] = {"gloo_p2p": {}, "ps_push_pull": {}}
+        for rank in (0, 1):
+            data = json.loads(Path(tmp, f"rank{rank}.json").read_text())
+            for kind in merged:
+                merged[kind].update({int(k): v for k, v in data[kind].items()})
+    return merged
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Quick: 2 epochs on the training set repeated twice (a smoke run, not a measurement)."""
+    epochs, repeat = (2, 2) if quick else (4, 16)
+    timeout = 600.0 if quick else 1800.0
+    runs = [_run_job(s, k, epochs, repeat, timeout) for k in (1.0, SLOWDOWN) for s in STRATEGIES]
+    by = {(r["strategy"], r["slowdown"]): r for r in runs}
+    ddp_fast, ddp_slow = by[("ddp", 1.0)], by[("ddp", SLOWDOWN)]
+    summary = {
+        "throughput_vs_ddp": {
+            s: by[(s, 1.0)]["samples_per_s"] / ddp_fast["samples_per_s"] for s in ("ivy_ps_sync", "ivy_ps")
+        },
+        "slow_epoch_ratio_vs_ddp": {
+            s: by[(s, SLOWDOWN)]["epoch_time"] / ddp_slow["epoch_time"] for s in ("ivy_ps_sync", "ivy_ps")
+        },
+        "slow_acc_points_vs_ddp": {
+            s: 100 * (by[(s, SLOWDOWN)]["val_acc"] - ddp_slow["val_acc"]) for s in ("ivy_ps_sync", "ivy_ps")
+        },
+    }
+    bandwidth = measure_bandwidth(reps=2 if quick else 5)
+    return {
+        "quick": quick,
+        "epochs": epochs,
+        "repeat": repeat,
+        "slowdown": SLOWDOWN,
+        "targets": {
+            "throughput_vs_ddp": TARGET_THROUGHPUT,
+            "async_slow_epoch_ratio_vs_ddp": TARGET_SLOW_RATIO,
+            "acc_points": TARGET_ACC_POINTS,
+        },
+        "runs": runs,
+        "summary": summary,
+        "bandwidth_gb_s": bandwidth,
+        "cpu_count": os.cpu_count(),
+        "loadavg_end": os.getloadavg(),
+    }
+
+
+def format_table(results: dict[str, Any]) -> str:
+    quick = ", QUICK: not a measurement" if results["quick"] else ""
+    lines = [
+        f"ivyplug bench ps (2 workers, epochs={results['epochs']}, data x{results['repeat']}, slow worker "
+        f"{results['slowdown']:g}x{quick})",
+        f"{'strategy':<12} {'slow':>5} {'epoch s':>8} {'samples/s':>10} {'val acc':>8} {'MB/epoch':>9} "
+        f"{'pushes r0/r1':>13} {'load':>10}",
+    ]
+    for r in results["runs"]:
+        pushes = r.get("ps_pushes") or {}
+        push_text = "/".join(f"{pushes[k]:.0f}" for k in sorted(pushes)) if pushes else "-"
+        mb = f"{r['bytes_sent_per_epoch'] / 1e6:.0f}" + ("" if r["bytes_measured"] else "*")
+        load = f"{r['loadavg_before'][0]:.1f}-{r['loadavg_after'][0]:.1f}"
+        lines.append(
+            f"{r['strategy']:<12} {r['slowdown']:>4g}x {r['epoch_time']:>8.2f} {r['samples_per_s']:>10.0f} "
+            f"{r['val_acc']:>8.4f} {mb:>9} {push_text:>13} {load:>10}"
+        )
+    s = results["summary"]
+    t = results["targets"]
+    lines.append("(* DDP bytes: analytic, one gradient sent per rank per step; PS bytes: measured)")
+    for name in ("ivy_ps_sync", "ivy_ps"):
+        lines.append(
+            f"{name}: throughput {s['throughput_vs_ddp'][name]:.2f}x DDP (target >= {t['throughput_vs_ddp']}), "
+            f"slow-worker epoch {s['slow_epoch_ratio_vs_ddp'][name]:.2f}x DDP's"
+            + (f" (target <= {t['async_slow_epoch_ratio_vs_ddp']})" if name == "ivy_ps" else "")
+            + f", val acc {s['slow_acc_points_vs_ddp'][name]:+.2f} points vs DDP (target within {t['acc_points']})"
+        )
+    bw = results["bandwidth_gb_s"]
+    for mb in sorted(bw["gloo_p2p"]):
+        raw, ps = bw["gloo_p2p"][mb], bw["ps_push_pull"].get(mb)
+        ps_text = f"{ps:.2f} GB/s ({ps / raw:.2f}x gloo)" if ps is not None else "-"
+        lines.append(f"{mb:>3} MB shard: gloo p2p {raw:.2f} GB/s, PS push+pull {ps_text}")
+    lines.append(f"load average at the end: {results['loadavg_end'][0]:.2f} on {results['cpu_count']} CPUs")
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""One configuration of ``ivyplug bench ps``, run as its own process (Lightning's popen launcher re-runs it).
+
+``python -m ivyplug.benchmarks.ps_job --strategy ivy_ps --slowdown 3 --epochs 4 --repeat 16 --out r.json``.
+Rank 0 writes the train-epoch wall times (epoch start to the start of validation, so the wait for the
+slowest worker at the epoch's end is included), the validation accuracy and the PS byte counters. The slow
+worker is BRIEF §7's delay injector: rank 1 sleeps (k-1) x 3 x its measured forward time every step (a device
+k times slower at compute; forward + backward ~ 3 x forward), not (k-1) x the whole step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+HIDDEN = 1024
+
+
+def digits(repeat: int) -> tuple[TensorDataset, TensorDataset]:
+    """sklearn's digits: the 1440 training images repeated ``repeat`` times, 357 validation images."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    xt = torch.tensor(x, dtype=torch.float32) / 16.0
+    yt = torch.tensor(y, dtype=torch.long)
+    perm = torch.randperm(len(xt), generator=torch.Generator().manual_seed(0))
+    train, val = perm[:1440], perm[1440:]
+    return TensorDataset(xt[train].repeat(repeat, 1), yt[train].repeat(repeat)), TensorDataset(xt[val], yt[val])
+
+
+class BenchMLP(pl.LightningModule):
+    """The compute-bound digits MLP 64-1024-1024-10; rank 1 simulates a device ``slowdown`` times slower."""
+
+    def __init__(self, slowdown: float, lr: float) -> None:
+        super().__init__()
+        self.slowdown = slowdown
+        self.lr = lr
+        self.net = nn.Sequential(
+            nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10)
+        )
+        self.slept = 0.0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        start = time.perf_counter()
+        logits = self.net(x)
+        forward = time.perf_counter() - start
+        if self.global_rank == 1 and self.slowdown > 1:
+            delay = (self.slowdown - 1) * 3 * forward
+            time.sleep(delay)
+            self.slept += delay
+        return nn.functional.cross_entropy(logits, y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_acc", (self.net(x).argmax(-1) == y).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class EpochClock(pl.Callback):
+    """Train-epoch wall time on this rank: epoch start to the start of validation."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit":
+            self.times.append(time.perf_counter() - self._start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True, choices=["ddp", "ivy_ps_sync", "ivy_ps"])
+    parser.add_argument("--slowdown", type=float, default=1.0)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=256, help="per worker (ddp, sync) / per dispatched batch (async)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # two workers on two cores
+    pl.seed_everything(0, verbose=False)
+    train, val = digits(args.repeat)
+    clock = EpochClock()
+    model = BenchMLP(args.slowdown, args.lr)
+    trainer = pl.Trainer(
+        strategy=args.strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[clock],
+    )
+    trainer.fit(model, DataLoader(train, batch_size=args.batch, shuffle=True), DataLoader(val, batch_size=512))
+    if trainer.global_rank != 0:
+        return
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    ps_bytes = sum(v for k, v in metrics.items() if k.startswith("ivy/") and k.endswith("bytes_sent"))
+    params = sum(p.numel() for p in model.parameters())
+    steps_per_rank = len(train) / (2 * args.batch)
+    result = {
+        "strategy": args.strategy,
+        "slowdown": args.slowdown,
+        "epochs": args.epochs,
+        "repeat": args.repeat,
+        "batch": args.batch,
+        "train_samples": len(train),
+        "epoch_times": clock.times,
+        "val_acc": metrics.get("val_acc"),
+        "params": params,
+        # bytes every worker sent in one epoch: measured by the PS; for DDP the ring all-reduce of 2 ranks
+        # sends one full gradient per rank per step (an analytic count, gloo does not report it)
+        "bytes_sent_per_epoch": (ps_bytes / args.epochs if args.strategy != "ddp" else 2 * steps_per_rank * params * 4),
+        "bytes_measured": args.strategy != "ddp",
+        "ps_pushes": {r: metrics[f"ivy/rank{r}/pushes"] for r in (0, 1) if f"ivy/rank{r}/pushes" in metrics},
+    }
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

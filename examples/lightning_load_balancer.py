@@ -115,10 +115,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"{h['epoch']:>5} {h['batch_size']:>5} {h['next_batch_size']:>6} {h['next_shares']!s:>12} "
                 f"{h['lr_factor']:>6.3f} {times:>18}  {h['reason']}"
             )
-        metrics = {k: float(v) for k, v in trainer.logged_metrics.items()}
-        print("ivy/ metrics:", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items()) if k.startswith("ivy/")))
-        print(f"validation accuracy: {metrics.get('val_acc', float('nan')):.3f}")
-    return {"history": balancer.history, "metrics": {k: float(v) for k, v in trainer.logged_metrics.items()}}
+        print("ivy/ metrics:", ", ".join(f"{k}={v:.3g}" for k, v in sorted(balancer.metrics.items())))
+        print(f"validation accuracy: {float(trainer.logged_metrics['val_acc']):.3f}")
+    metrics = {**balancer.metrics, "val_acc": float(trainer.logged_metrics["val_acc"])}
+    return {"history": balancer.history, "metrics": metrics}
 
 
 if __name__ == "__main__":

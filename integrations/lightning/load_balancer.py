@@ -2,8 +2,9 @@
 
 How it works (all decisions at epoch boundaries, agreed by every rank):
 
-- Probes are read on a background thread (``ivyplug.load.Sampler``); metrics ``ivy/...`` are logged
-  every ``log_every_n_steps`` steps and per-rank values gathered at epoch end as ``ivy/rank{r}/...``.
+- Probes are read on a background thread (``ivyplug.load.Sampler``); metrics ``ivy/...`` go to the
+  trainer's loggers every ``log_every_n_steps`` steps, per-rank values gathered at epoch end as
+  ``ivy/rank{r}/...`` (rank 0 writes, as Lightning's loggers do); ``callback.metrics`` holds the latest.
 - A callback has no dataloader hook, and a ``DataLoader`` refuses a new batch sampler, so ``setup``
   wraps ``trainer.strategy.process_dataloader``: the training loader is rebuilt with a
   :class:`ShareBatchSampler` (Lightning's ``DistributedSampler`` permutation, split by shares), and
@@ -25,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,6 +140,7 @@ class IvyLoadBalancer(Callback):
         self.speeds: list[float] | None = None
         self.history: list[dict[str, Any]] = []
         self.monitoring_only: str | None = None
+        self.metrics: dict[str, float] = {}  # the latest value of every ivy/ metric this callback logged
 
         # runtime
         self.hook_seconds = 0.0  # wall time spent in this callback's hooks (overhead measurement)
@@ -163,8 +164,6 @@ class IvyLoadBalancer(Callback):
         if stage != "fit":
             return
         self._trainer_ref = trainer
-        # ivy/ epoch metrics are gathered (identical on every rank) before logging: no sync_dist needed
-        warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('ivy/", category=Warning)
         self._world = trainer.world_size
         self._rank = trainer.global_rank
         probes = self.probes() if callable(self.probes) else self.probes
@@ -335,10 +334,10 @@ class IvyLoadBalancer(Callback):
         self.steps += 1
         every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 50) or 50
         if self.steps % every == 0:
-            self._log_step(pl_module)
+            self._log_step()
         self.hook_seconds += time.perf_counter() - now
 
-    def _log_step(self, pl_module: pl.LightningModule) -> None:
+    def _log_step(self) -> None:
         metrics: dict[str, float] = {}
         if self._sampler is not None:
             latest = self._sampler.latest()
@@ -355,7 +354,7 @@ class IvyLoadBalancer(Callback):
             metrics["ivy/share"] = float(self.shares[self._rank])
         metrics["ivy/lr_factor"] = self.lr_factor
         metrics["ivy/oom_count"] = float(self.oom_count)
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
+        self._emit(self._trainer_ref, metrics)
 
     # ------------------------------------------------------------------ epoch boundary
     def _gather(self, record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -453,7 +452,19 @@ class IvyLoadBalancer(Callback):
                 value = r[key]
                 if value is not None:
                     metrics[f"ivy/rank{r['rank']}/{key}"] = float(value)
-        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False, batch_size=1)
+        self._emit(trainer, metrics)
+
+    def _emit(self, trainer: pl.Trainer | None, metrics: dict[str, float]) -> None:
+        """Hand metrics straight to the loggers (rank 0 only, as Lightning's loggers do).
+
+        ``LightningModule.log`` builds a metric object per key and costs milliseconds per call, which
+        would eat the overhead budget; the values here are already final (gathered where per-rank).
+        """
+        self.metrics.update(metrics)
+        if trainer is None or not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def _rescale_lr(self, trainer: pl.Trainer, old: int, new: int) -> None:
         if not self._rules:

@@ -63,7 +63,7 @@ def main(out: Path, strategy_name: str) -> None:
         "user_hook_calls": USER_HOOK_CALLS[0],
         "share_hook_calls": cb._hook_state.calls if cb._hook_state is not None else 0,
         "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
-        "logged": sorted(trainer.logged_metrics),
+        "logged": sorted(cb.metrics),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -3,6 +3,7 @@ recovered without losing samples, unsupported loaders are monitored only, checkp
 
 from __future__ import annotations
 
+import csv
 from collections import Counter
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from ivyplug.integrations.lightning.load_balancer import IvyLoadBalancer
 from ivyplug.integrations.lightning.share_sampler import ShareBatchSampler, epoch_order
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from ivyplug.load import OutOfMemoryRecoveryError, ScriptedProbe
@@ -39,7 +41,7 @@ def test_idle_grows_then_memory_pressure_shrinks_with_lr_rescaled(optimizer: str
     model = DigitsMLP(batch_size=32, n=256, optimizer=optimizer, lr=0.01)
     probe = ScriptedProbe([IDLE, BAND, FULL], clock=lambda: model.current_epoch)
     cb = IvyLoadBalancer(probes=[probe], interval=0.05, max_batch_size=128)
-    trainer = _fit(model, cb, max_epochs=3)
+    trainer = _fit(model, cb, max_epochs=3, logger=CSVLogger(tmp_path / "logs"))
 
     assert [(h["batch_size"], h["next_batch_size"]) for h in cb.history] == [(32, 64), (64, 64), (64, 32)]
     assert "grow" in cb.history[0]["reason"] and "shrink" in cb.history[2]["reason"]
@@ -53,10 +55,13 @@ def test_idle_grows_then_memory_pressure_shrinks_with_lr_rescaled(optimizer: str
     assert factors == pytest.approx([expected_up, expected_up, 1.0], rel=1e-12)
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01, rel=1e-12)
 
-    logged = trainer.logged_metrics
+    logged = cb.metrics
     for key in ("ivy/batch_size", "ivy/lr_factor", "ivy/utilization", "ivy/memory_fraction", "ivy/share"):
         assert key in logged
-    assert float(logged["ivy/rank0/samples"]) == 256.0 and float(logged["ivy/batch_size"]) == 32.0
+    assert logged["ivy/rank0/samples"] == 256.0 and logged["ivy/batch_size"] == 32.0
+    rows = list(csv.DictReader((tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    assert [float(r["ivy/batch_size"]) for r in rows if r.get("ivy/rank0/samples")] == [64.0, 64.0, 32.0]
+    assert sum(1 for r in rows if r.get("ivy/cpu_util")) == 16  # every step: log_every_n_steps=1, 8 + 4 + 4 steps
 
     path = tmp_path / "lb.ckpt"
     trainer.save_checkpoint(path)
@@ -130,10 +135,10 @@ def test_iterable_dataset_is_monitored_only() -> None:
     model.train_dataloader = lambda: DataLoader(_Stream(), batch_size=16)  # type: ignore[method-assign]
     cb = IvyLoadBalancer(probes=[ScriptedProbe([IDLE])], interval=0.05)
     with pytest.warns(UserWarning, match="IterableDataset.*monitoring only"):
-        trainer = _fit(model, cb, max_epochs=2)
+        _fit(model, cb, max_epochs=2)
     assert cb.monitoring_only is not None and cb.batch_size is None
     assert Counter(model.batch_sizes) == {(0, 16): 4, (1, 16): 4}
-    assert "ivy/cpu_util" in trainer.logged_metrics
+    assert "ivy/cpu_util" in cb.metrics
 
 
 def test_bad_arguments_name_the_parameter() -> None:

@@ -46,6 +46,7 @@ from ivyplug.load.probe import Probe
 from ivyplug.load.probes import default_probes
 from ivyplug.load.sampler import Sampler
 from ivyplug.load.shares import measured_speeds, smooth_speeds, worker_shares
+from ivyplug.load.torch_probe import TorchAllocatorProbe
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +290,9 @@ class IvyLoadBalancer(Callback):
     def _count_oom(self) -> None:
         self.oom_count += 1
         self._epoch_ooms += 1
+        for probe in self._sampler.probes if self._sampler is not None else ():
+            if isinstance(probe, TorchAllocatorProbe):
+                probe.record_oom()  # its oom_count reading then shows up in ivy/oom_count of the probe too
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         start = time.perf_counter()

@@ -15,7 +15,7 @@ from ivyplug.integrations.lightning.share_sampler import ShareBatchSampler, epoc
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from ivyplug.load import OutOfMemoryRecoveryError, ScriptedProbe
+from ivyplug.load import OutOfMemoryRecoveryError, ScriptedProbe, TorchAllocatorProbe
 from tests.integrations.lightning.lb_models import DigitsMLP, digits_dataset, trainer_kwargs
 
 IDLE = {"cpu_util": 20.0, "mem_used": 3.0, "mem_total": 10.0}
@@ -98,7 +98,7 @@ class _FirstEpochParams(pl.Callback):
 def test_oom_is_recovered_with_the_same_result_and_no_lost_samples() -> None:
     def run(oom_above: int | None) -> tuple[DigitsMLP, IvyLoadBalancer, dict[str, torch.Tensor]]:
         model = DigitsMLP(batch_size=32, n=128, optimizer="sgd", lr=0.1, oom_above=oom_above, seed=3)
-        cb = IvyLoadBalancer(probes=[ScriptedProbe([BAND])], interval=0.05, seed=0)
+        cb = IvyLoadBalancer(probes=[ScriptedProbe([BAND]), TorchAllocatorProbe()], interval=0.05, seed=0)
         snapshot = _FirstEpochParams()
         trainer = pl.Trainer(callbacks=[cb, snapshot], **trainer_kwargs(max_epochs=2))
         trainer.fit(model)
@@ -110,7 +110,8 @@ def test_oom_is_recovered_with_the_same_result_and_no_lost_samples() -> None:
     assert _per_epoch(split) == _per_epoch(plain)
     assert Counter(split.batch_sizes)[(0, 8)] == 16
     # epoch 0: OOM at 32 and at 16, then 4 parts stick for the epoch; B drops to 16, which OOMs once more
-    assert cb.oom_count == 3
+    assert cb.oom_count == 3 and cb._sampler is None  # closed at teardown
+    assert cb.metrics["ivy/oom_count"] == 3.0
     assert [h["next_batch_size"] for h in cb.history] == [16, 8] and "out of memory" in cb.history[0]["reason"]
     # the micro-batch gradients add up to the whole-batch gradient: same parameters as without OOMs
     assert plain_params.keys() == split_params.keys()

@@ -3,6 +3,7 @@
     python examples/lightning_ps.py            # async PS (strategy="ivy_ps"), 15 epochs
     python examples/lightning_ps.py --quick    # a short run (smoke test)
     python examples/lightning_ps.py --strategy ivy_ps_sync
+    torchrun --nproc_per_node=2 examples/lightning_ps.py --quick
 
 ``strategy="ivy_ps"`` is a plain string: installing ivyplug registers the name with Lightning,
 this script never imports ivyplug. Worker 1 is slowed a little (``--slow-ms``) so that the async
@@ -66,6 +67,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (used by the test suite)")
     parser.add_argument("--strategy", default="ivy_ps", help="ivy_ps (async), ivy_ps_sync, ivy_ps_ssp or ddp")
     parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--devices", type=int, default=2, help="worker processes per node")
+    parser.add_argument("--num-nodes", type=int, default=1, help="nodes (e.g. two torchrun invocations)")
     parser.add_argument("--slow-ms", type=float, default=5.0, help="extra milliseconds per step on worker 1")
     args = parser.parse_args()
     epochs = args.epochs or (8 if args.quick else 15)
@@ -76,7 +79,8 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=args.strategy,
         accelerator="cpu",
-        devices=2,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
         max_epochs=epochs,
         logger=False,
         enable_checkpointing=False,

@@ -41,6 +41,7 @@ def test_async_straggler_trains_every_sample_once_and_fast_worker_does_more(slow
         delay_s=0.03,
         log_sync_dist=True,
         record_dir=str(record),
+        batchnorm=True,  # buffers travel through the PS too
     )
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_acc", mode="max")
     with reaped_children():

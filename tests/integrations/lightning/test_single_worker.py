@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from ivyplug.integrations.lightning import IvyPSStrategy
 from lightning.pytorch import seed_everything
 
 from .digits import DigitsMLP, digits_tensors
-from .helpers import params_of, quiet_trainer, reference_training
+from .helpers import max_abs_diff, params_of, quiet_trainer, reference_training
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,6 +35,36 @@ def test_async_one_worker_equals_single_process_exactly() -> None:
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
     assert trainer.global_step == 32
+
+
+def test_accumulate_grad_batches_and_clipping_one_worker_equal_single_process() -> None:
+    seed_everything(2)
+    model = DigitsMLP(hidden=32, lr=0.05, train_size=512, batch_size=32)
+    x, y, _, _ = digits_tensors()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator()
+    g.manual_seed(2)  # Lightning's sampler seed is PL_GLOBAL_SEED, set by seed_everything(2)
+    perm = torch.randperm(512, generator=g)
+    for step in range(8):  # 16 batches, 2 per optimizer step
+        opt.zero_grad()
+        for micro in range(2):
+            b = perm[(2 * step + micro) * 32 : (2 * step + micro + 1) * 32]
+            (torch.nn.functional.cross_entropy(ref(x[b]), y[b]) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+    trainer = quiet_trainer(
+        IvyPSStrategy(mode="async"),
+        devices=1,
+        max_epochs=1,
+        limit_val_batches=0,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+    )
+    trainer.fit(model)
+    assert trainer.global_step == 8
+    assert max_abs_diff(params_of(model), params_of(ref)) == 0.0  # clipped once, by the PS, like torch does
+    assert float(trainer.callback_metrics["ivy/rank0/pushes"]) == 8.0
 
 
 def test_bf16_fit_then_validate_test_predict_and_weights_only_refusal(tmp_path: Path) -> None:

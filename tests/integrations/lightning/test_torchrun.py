@@ -1,4 +1,4 @@
-"""``num_nodes=2`` simulated with two torchrun invocations on loopback (one worker each), async PS."""
+"""``num_nodes=2`` simulated with two torchrun invocations on loopback (one worker each), ``ivy_ps_ssp``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_two_torchrun_nodes_train_on_the_ps(tmp_path: Path) -> None:
         for node in (0, 1):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
             cmd += [f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
-            cmd += [str(EXAMPLE), "--quick", "--epochs", "3", "--devices", "1", "--num-nodes", "2"]
+            cmd += [str(EXAMPLE), "--quick", "--strategy", "ivy_ps_ssp", "--epochs", "3"]
+            cmd += ["--devices", "1", "--num-nodes", "2"]
             procs.append(
                 subprocess.Popen(
                     cmd,

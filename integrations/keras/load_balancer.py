@@ -153,8 +153,13 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             raise ValueError(f"dataset must be an ElasticDataset or None, got {type(dataset).__name__}")
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < math.inf:
             raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
-        for name, value in (("device_index", device_index), ("log_every_n_steps", log_every_n_steps)):
-            low = 0 if name == "device_index" else 1
+        optional_ints = (
+            ("device_index", device_index, 0),
+            ("log_every_n_steps", log_every_n_steps, 1),
+            ("min_batch_size", min_batch_size, 1),
+            ("max_batch_size", max_batch_size, 1),
+        )
+        for name, value, low in optional_ints:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{name} must be None or an int >= {low}, got {value!r}")
         resolve_rule(lr_scaling, "SGD")  # validates the rule name

@@ -239,6 +239,10 @@ def test_from_config_dict_and_registry() -> None:
         IvyLoadBalancer(lr_scaling="cubic")
     with pytest.raises(ValueError, match="memory_low"):
         IvyLoadBalancer(memory_low=0.95)
+    with pytest.raises(ValueError, match="min_batch_size must be None or an int >= 1"):
+        IvyLoadBalancer(min_batch_size=0)
+    with pytest.raises(ValueError, match=r"max_batch_size \(4\) must be >= min_batch_size \(8\)"):
+        IvyLoadBalancer(min_batch_size=8, max_batch_size=4)
     with pytest.raises(ValueError, match="interval must be a positive number"):
         IvyLoadBalancer(interval=0)
     with pytest.raises(ValueError, match="dataset must be an ElasticDataset"):

@@ -179,3 +179,16 @@ def test_a_users_comm_hook_is_refused_on_request() -> None:
     finally:
         composed.teardown(trainer, DigitsMLP(), "fit")
     assert strategy._ddp_comm_hook is default_hooks.allreduce_hook  # given back for a later fit
+
+
+def test_ivy_ps_async_is_monitored_only() -> None:
+    from ivyplug.integrations.lightning import IvyPSStrategy
+
+    trainer = pl.Trainer(strategy=IvyPSStrategy(mode="async"), **trainer_kwargs(devices=2))
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([IDLE])])
+    with pytest.warns(UserWarning, match="hands out batches itself.*monitoring only"):
+        cb.setup(trainer, DigitsMLP(), "fit")
+    try:
+        assert cb.monitoring_only is not None
+    finally:
+        cb.teardown(trainer, DigitsMLP(), "fit")

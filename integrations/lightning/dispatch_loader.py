@@ -4,8 +4,10 @@ Lightning has already injected its ``DistributedSampler`` (one fixed slice of th
 when ``strategy.process_dataloader`` runs; that slice would make a fast worker wait for a slow one
 at epoch end. :class:`DispatchBatchSampler` instead orders the whole data set once per epoch (the
 same permutation on every rank: seed + epoch, like ``DistributedSampler``) and cuts it into global
-batches; each worker asks the PS for the next global batch index until the epoch's queue is empty.
-Every sample is seen exactly once per epoch, and a worker twice as fast trains twice as many batches.
+batches. Worker r first takes batch r (every worker gets at least one, so every worker reaches the
+end-of-epoch validation), then asks the PS for the next index of the shared queue (batches
+``world_size..n-1``) until it is empty. Every sample is seen exactly once per epoch, and a worker twice as
+fast trains about twice as many batches.
 
 The sampler has no length, so the loader has none: Lightning shows a progress bar without a total,
 ``trainer.estimated_stepping_batches`` is infinite (step-count LR schedules such as ``OneCycleLR``
@@ -70,7 +72,11 @@ class DispatchBatchSampler:
         shuffle: bool,
         seed: int = 0,
         drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         if dataset_size <= 0:
             raise ValueError(f"dataset_size must be > 0, got {dataset_size}")
         if batch_size <= 0:
@@ -79,6 +85,8 @@ class DispatchBatchSampler:
         self.dataset_size = dataset_size
         self.batch_size = batch_size
         self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
         self.sampler = EpochOrder(dataset_size, shuffle, seed)
         self.served: list[int] = []  # global batch indices this worker got in the current epoch
 
@@ -96,17 +104,28 @@ class DispatchBatchSampler:
         self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
+        """Batch ``rank`` first (so no worker ends an epoch empty-handed), then whatever the queue hands out.
+
+        A worker without a single batch would skip Lightning's end-of-epoch validation and leave the others
+        waiting at its collectives; reserving one batch per worker rules that out.
+        """
         order = self.sampler.order()
+        total = self.num_batches
+        if total < self.world_size:
+            raise ValueError(
+                f"an async/ssp PS epoch needs at least one batch per worker: {total} batches for "
+                f"{self.world_size} workers (use a smaller batch_size or mode='sync')"
+            )
         self.served = []
-        self.dispatcher.start_epoch(self.epoch, self.num_batches)
-        while True:
-            index = self.dispatcher.next_batch()
-            if index is None:
-                return
-            if not 0 <= index < self.num_batches:
-                raise RuntimeError(f"the PS dispatched batch {index} but this epoch has {self.num_batches} batches")
+        self.dispatcher.start_epoch(self.epoch, total - self.world_size)
+        index: int | None = self.rank
+        while index is not None:
+            if not 0 <= index < total:
+                raise RuntimeError(f"the PS dispatched batch {index} but this epoch has {total} batches")
             self.served.append(index)
             yield order[index * self.batch_size : (index + 1) * self.batch_size]
+            queued = self.dispatcher.next_batch()
+            index = None if queued is None else self.world_size + queued
 
 
 def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
@@ -123,7 +142,9 @@ def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
     )
 
 
-def make_dispatch_loader(dataloader: DataLoader, dispatcher: BatchDispatcher) -> DataLoader:
+def make_dispatch_loader(
+    dataloader: DataLoader, dispatcher: BatchDispatcher, rank: int = 0, world_size: int = 1
+) -> DataLoader:
     """Rebuild ``dataloader`` (same dataset, collate, workers) around a :class:`DispatchBatchSampler`."""
     if isinstance(dataloader.dataset, IterableDataset):
         raise ValueError(
@@ -149,6 +170,8 @@ def make_dispatch_loader(dataloader: DataLoader, dispatcher: BatchDispatcher) ->
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,
+        rank=rank,
+        world_size=world_size,
     )
     kwargs: dict[str, Any] = {
         "num_workers": dataloader.num_workers,

@@ -307,7 +307,7 @@ class IvyPSStrategy(DDPStrategy):
             and trainer.training
             and isinstance(dataloader, torch.utils.data.DataLoader)
         ):
-            return make_dispatch_loader(dataloader, self._client)
+            return make_dispatch_loader(dataloader, self._client, rank=self.global_rank, world_size=self.world_size)
         return dataloader
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -33,7 +33,10 @@ class SharedQueue:
 def test_interleaved_workers_see_every_sample_once_per_epoch(drop_last: bool) -> None:
     queue = SharedQueue()
     n, batch = 103, 8
-    workers = [DispatchBatchSampler(queue, n, batch, shuffle=True, seed=5, drop_last=drop_last) for _ in range(2)]
+    workers = [
+        DispatchBatchSampler(queue, n, batch, shuffle=True, seed=5, drop_last=drop_last, rank=r, world_size=2)
+        for r in range(2)
+    ]
     orders = []
     for epoch in range(3):
         for w in workers:
@@ -56,6 +59,7 @@ def test_interleaved_workers_see_every_sample_once_per_epoch(drop_last: bool) ->
         expected = list(range(n)) if not drop_last else sorted(workers[0].sampler.order()[: (n // batch) * batch])
         assert seen == expected
         assert len(got[0]) > 2 * len(got[1])
+        assert workers[0].served[0] == 0 and workers[1].served[0] == 1  # each worker's reserved first batch
         orders.append(workers[0].sampler.order())
     assert orders[0] != orders[1]  # set_epoch reshuffles, like DistributedSampler
     g = torch.Generator()
@@ -66,7 +70,7 @@ def test_interleaved_workers_see_every_sample_once_per_epoch(drop_last: bool) ->
 def test_make_dispatch_loader_keeps_dataset_and_collate_and_has_no_length() -> None:
     ds = TensorDataset(torch.arange(20).float(), torch.arange(20))
     original = DataLoader(ds, batch_size=6, sampler=DistributedSampler(ds, num_replicas=2, rank=0, shuffle=False))
-    loader = make_dispatch_loader(original, SharedQueue())
+    loader = make_dispatch_loader(original, SharedQueue())  # one worker: batch 0, then the queue
     assert loader.dataset is ds and loader.collate_fn is original.collate_fn
     with pytest.raises(TypeError):
         len(loader)
@@ -88,3 +92,6 @@ def test_make_dispatch_loader_refuses_what_it_cannot_dispatch() -> None:
         make_dispatch_loader(weighted, SharedQueue())
     with pytest.raises(ValueError, match="batch_size must be > 0"):
         DispatchBatchSampler(SharedQueue(), 4, 0, shuffle=False)
+    too_few = DispatchBatchSampler(SharedQueue(), 4, 4, shuffle=False, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="at least one batch per worker"):
+        next(iter(too_few))

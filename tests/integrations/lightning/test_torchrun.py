@@ -50,5 +50,5 @@ def test_two_torchrun_nodes_train_on_the_ps(tmp_path: Path) -> None:
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     out = outputs[0]
     assert re.search(r"validation accuracy: 0\.\d+", out), out[-2000:]
-    batches = {int(r): float(v) for r, v in re.findall(r"ivy/rank(\d)/batches\s+([0-9.]+)", out)}
-    assert batches[0] + batches[1] == 3 * 45 and min(batches.values()) > 0
+    pushes = {int(r): float(v) for r, v in re.findall(r"ivy/rank(\d)/pushes\s+([0-9.]+)", out)}
+    assert pushes[0] + pushes[1] == 3 * 45 and min(pushes.values()) > 0

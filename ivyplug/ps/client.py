@@ -2,12 +2,14 @@
 
 Topology (co-located, ``num_servers=0``): every worker rank serves shard ``rank`` of the plan in a
 background thread and talks to the other shards over a gloo group of its own; its own shard is called
-in-process (gloo cannot send to itself). A second gloo group carries the few collectives (start, sync,
-epoch start, checkpoints, close), so they never interleave with point-to-point traffic.
+in-process (gloo cannot send to itself). With ``num_servers=k`` rank 0 starts k dedicated server
+processes instead (dedicated.py). A second gloo group among the workers carries the few collectives
+(start, sync, epoch start, checkpoints, close), so they never interleave with point-to-point traffic.
 """
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Sequence
@@ -19,17 +21,16 @@ import torch
 import torch.distributed as dist
 
 from ivyplug.ps.config import PSConfig
+from ivyplug.ps.dedicated import connect, launch, ps_host
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.loop import ServerLoop
-from ivyplug.ps.messages import Flag, Header, Kind, Status
+from ivyplug.ps.messages import Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
 from ivyplug.ps.mirror import OptimizerSpec
 from ivyplug.ps.server import ShardServer, load_state_bytes, piece_shape
 from ivyplug.ps.sharding import ShardPlan, TensorSpec, build_plan
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
 
 STATE_FORMAT = "ivyplug.ps/1"
-#: the point-to-point group's own timeout: only the server loop's idle wait uses it (see transport.py)
-_P2P_GROUP_TIMEOUT = timedelta(days=7)
 
 
 @dataclass
@@ -81,6 +82,9 @@ class PSClient:
         self.closed = False
         self.m = _Metrics()
         self._seq = 0
+        self.dedicated = False
+        self.server_procs: list[Any] = []
+        self._store: Any = None
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -102,11 +106,6 @@ class PSClient:
         """
         if not isinstance(cfg, PSConfig):
             raise ValueError(f"cfg must be a PSConfig, got {type(cfg).__name__}")
-        if cfg.num_servers != 0:
-            raise ValueError(
-                f"PSConfig.num_servers={cfg.num_servers}: dedicated server processes are not available in this "
-                "version; use num_servers=0 (each worker serves one shard)"
-            )
         self = cls()
         self.cfg = cfg
         initialised = dist.is_available() and dist.is_initialized()
@@ -122,6 +121,7 @@ class PSClient:
                 f"({dist.get_rank()}/{dist.get_world_size()})"
             )
         self.rank, self.world_size = rank, world_size
+        self.dedicated = cfg.num_servers > 0
         self.params = _named(params, "param")
         self.buffers = _named(buffers, "buffer")
         if optimizer is None:
@@ -130,12 +130,21 @@ class PSClient:
         self.spec = OptimizerSpec.from_optimizer(optimizer, [p for _, p in self.params])
         specs = [TensorSpec(n, tuple(p.shape), "param", True) for n, p in self.params]
         specs += [TensorSpec(n, tuple(b.shape), "buffer", b.is_floating_point()) for n, b in self.buffers]
-        self.plan = build_plan(specs, world_size, cfg.max_shard_bytes)
+        self.plan = build_plan(specs, cfg.num_servers if self.dedicated else world_size, cfg.max_shard_bytes)
         if world_size > 1:
-            self.p2p_group = dist.new_group(backend="gloo", timeout=_P2P_GROUP_TIMEOUT)
             self.coll_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout))
-            self.channel = Channel(self.p2p_group, rank, cfg.timeout)
             self._check_same_model()
+        if self.dedicated:
+            self._start_dedicated()
+        else:
+            self._start_colocated()
+        return self
+
+    def _start_colocated(self) -> None:
+        cfg, rank, world_size = self.cfg, self.rank, self.world_size
+        if world_size > 1:
+            self.p2p_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout))
+            self.channel = Channel(self.p2p_group, rank, cfg.timeout)
         full = self._flat_local()
         if world_size > 1:
             self._coll_wait(dist.broadcast(full, src=0, group=self.coll_group, async_op=True), "rank 0's parameters")
@@ -147,10 +156,48 @@ class PSClient:
             self.queue = BatchQueue(world_size)
         if world_size > 1:
             assert self.channel is not None
-            self.loop = ServerLoop(self.channel, self.server, self.queue, world_size - 1, self.stop)
+            others = set(range(world_size)) - {rank}
+            self.loop = ServerLoop(self.channel, self.server, self.queue, others, self.stop, workers=others)
             self.loop.start()
             self._barrier("every rank's PS server to start")
-        return self
+
+    def _start_dedicated(self) -> None:
+        """Rank 0 starts the server processes; every worker joins the PS group (see dedicated.py)."""
+        cfg, rank, world_size = self.cfg, self.rank, self.world_size
+        host = ps_host()
+        port = torch.zeros(1, dtype=torch.int64)
+        store = None
+        if rank == 0:
+            store = dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout)
+            )
+            port[0] = store.port
+            full = self._flat_local()
+            values = []
+            for s in range(self.plan.num_shards):
+                v = torch.empty(self.plan.shard_numel(s), dtype=torch.float32)
+                self._gather_shard(full, s, v)
+                values.append(v)
+            self.server_procs = launch(host, int(port), world_size, cfg, list(self.plan.specs), self.spec, values)
+        if world_size > 1:
+            self._coll_wait(dist.broadcast(port, src=0, group=self.coll_group, async_op=True), "the PS store port")
+        try:
+            self.p2p_group, self._store = connect(
+                host, int(port), rank, world_size + cfg.num_servers, cfg.timeout, store=store
+            )
+        except RuntimeError as exc:
+            raise PSTimeoutError(
+                f"rank {rank} could not join the PS group of {world_size} workers and {cfg.num_servers} dedicated "
+                f"servers at {host}:{int(port)} within {cfg.timeout:g} s: {exc}"
+            ) from exc
+        self.channel = Channel(self.p2p_group, rank, cfg.timeout)
+        if rank == 0:
+            self.queue = BatchQueue(world_size)
+            if world_size > 1:
+                others = set(range(1, world_size))
+                self.loop = ServerLoop(self.channel, None, self.queue, others, self.stop)
+                self.loop.start()
+        self._barrier("every worker to join the PS group")
 
     # -- flat layouts ---------------------------------------------------------------------------
     def _tensor(self, index: int) -> torch.Tensor:
@@ -227,7 +274,7 @@ class PSClient:
 
     # -- messaging ------------------------------------------------------------------------------
     def _server_rank(self, shard: int) -> int:
-        return shard
+        return self.world_size + shard if self.dedicated else shard
 
     def _send_norm(self, step: int, sq: float) -> None:
         """Called by this rank's shard (lock held) to share a sync step's squared norm with the others."""
@@ -360,7 +407,7 @@ class PSClient:
     def sync(self) -> None:
         """Collective: let every in-flight push land, then pull the global params and buffers."""
         self._check_open()
-        if self.world_size > 1:
+        if self.channel is not None:
             for s in self.plan.nonempty_shards():
                 dst = self._server_rank(s)
                 if dst != self.rank:
@@ -403,9 +450,17 @@ class PSClient:
         """Raise the stop flag on every PS rank (seen by the others at their next reply or query)."""
         self._check_open()
         self.stop.set()
-        for r in range(self.world_size):
-            if r != self.rank:
-                self._send_simple(Kind.STOP, r)
+        for r in self._loop_ranks():
+            self._send_simple(Kind.STOP, r)
+
+    def _loop_ranks(self) -> list[int]:
+        """Other PS-group ranks that run a server loop (they take STOP and BYE)."""
+        if self.channel is None:
+            return []
+        if not self.dedicated:
+            return [r for r in range(self.world_size) if r != self.rank]
+        ranks = [self.world_size + s for s in range(self.cfg.num_servers)]
+        return ([0] if self.rank != 0 and self.world_size > 1 else []) + ranks
 
     def stop_requested(self) -> bool:
         return self.stop.is_set() or self._remote_stop
@@ -415,20 +470,12 @@ class PSClient:
         """Collective: every shard's params, buffers, optimizer state, version and clocks (on every rank)."""
         self._check_open()
         self._barrier("every worker to reach state_dict()")
-        assert self.server is not None
-        blob = self.server.state_bytes()
-        blobs = [blob]
-        if self.world_size > 1:
-            mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            size = torch.tensor([mine.numel()], dtype=torch.int64)
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            self._coll_wait(dist.all_gather(sizes, size, group=self.coll_group, async_op=True), "checkpoint sizes")
-            longest = max(int(s) for s in sizes)
-            padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[: mine.numel()] = mine
-            parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-            self._coll_wait(dist.all_gather(parts, padded, group=self.coll_group, async_op=True), "checkpoint shards")
-            blobs = [parts[r][: int(sizes[r])].numpy().tobytes() for r in range(self.world_size)]
+        if self.dedicated:
+            blobs = self._fetch_dedicated_states() if self.rank == 0 else []
+            blobs = self._share_from_rank0(blobs, self.plan.num_shards)
+        else:
+            assert self.server is not None
+            blobs = self._share_all(self.server.state_bytes())
         shards = [load_state_bytes(b) for b in blobs]
         return {
             "format": STATE_FORMAT,
@@ -437,6 +484,49 @@ class PSClient:
             "plan_signature": self.plan.signature(),
             "shards": shards,
         }
+
+    def _fetch_dedicated_states(self) -> list[bytes]:
+        blobs = []
+        for s in range(self.plan.num_shards):
+            dst = self._server_rank(s)
+            hbuf, works, _, _ = self._request(Kind.STATE_SIZE, s, dst, None, None, None)
+            nbytes = self._finish(hbuf, works, dst, f"the state size of shard {s}").arg0
+            hbuf, works, out, _ = self._request(Kind.STATE_FETCH, s, dst, None, None, (nbytes + 3) // 4)
+            self._finish(hbuf, works, dst, f"the state of shard {s}")
+            blobs.append(words_to_bytes(out, nbytes) if out is not None else b"")
+        return blobs
+
+    def _share_all(self, blob: bytes) -> list[bytes]:
+        """All-gather one byte string per rank over the PS collective group."""
+        if self.world_size == 1:
+            return [blob]
+        mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
+        size = torch.tensor([mine.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._coll_wait(dist.all_gather(sizes, size, group=self.coll_group, async_op=True), "checkpoint sizes")
+        longest = max(1, max(int(x) for x in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: mine.numel()] = mine
+        parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._coll_wait(dist.all_gather(parts, padded, group=self.coll_group, async_op=True), "checkpoint shards")
+        return [parts[r][: int(sizes[r])].numpy().tobytes() for r in range(self.world_size)]
+
+    def _share_from_rank0(self, blobs: list[bytes], count: int) -> list[bytes]:
+        """Broadcast rank 0's ``count`` byte strings to every worker."""
+        if self.world_size == 1:
+            return blobs
+        sizes = torch.tensor([len(b) for b in blobs] if self.rank == 0 else [0] * count, dtype=torch.int64)
+        self._coll_wait(dist.broadcast(sizes, src=0, group=self.coll_group, async_op=True), "checkpoint sizes")
+        data = torch.zeros(max(1, int(sizes.sum())), dtype=torch.uint8)
+        if self.rank == 0 and int(sizes.sum()):
+            data[: int(sizes.sum())] = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+        self._coll_wait(dist.broadcast(data, src=0, group=self.coll_group, async_op=True), "checkpoint shards")
+        raw = data.numpy().tobytes()
+        out, start = [], 0
+        for n in sizes.tolist():
+            out.append(raw[start : start + n])
+            start += n
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Collective: restore every shard from :meth:`state_dict` output (given on every rank), then pull."""
@@ -449,8 +539,20 @@ class PSClient:
                 f"{self.plan.num_shards} shards (same model, world size and max_shard_bytes are needed)"
             )
         self._barrier("every worker to reach load_state_dict()")
-        assert self.server is not None
-        self.server.load_state(state["shards"][self.server.shard])
+        if self.dedicated:
+            if self.rank == 0:
+                for s in range(self.plan.num_shards):
+                    buf = io.BytesIO()
+                    torch.save(state["shards"][s], buf)
+                    blob = buf.getvalue()
+                    dst = self._server_rank(s)
+                    hbuf, works, _, _ = self._request(
+                        Kind.LOAD, s, dst, bytes_to_words(blob), None, None, arg0=len(blob)
+                    )
+                    self._finish(hbuf, works, dst, f"loading the state of shard {s}")
+        else:
+            assert self.server is not None
+            self.server.load_state(state["shards"][self.server.shard])
         self._barrier("every shard to load its state")
         self._pull_all("the pull after load_state_dict()")
 
@@ -482,30 +584,45 @@ class PSClient:
             raise PSProtocolError(f"the PS shard on rank {self.rank} failed: {self.server.error}")
 
     def close(self) -> None:
-        """Stop the server thread (after every peer said BYE) and destroy the PS groups. Idempotent."""
+        """Stop the server thread/processes (after every peer said BYE) and drop the PS groups. Idempotent."""
         if self.closed:
             return
         self.closed = True
-        if self.world_size == 1:
+        if self.channel is None:
             return
-        assert self.channel is not None and self.loop is not None
         err: BaseException | None = None
         try:
-            for r in range(self.world_size):
-                if r != self.rank:
-                    self.channel.send(r, Header(kind=Kind.BYE, sender=self.rank), wait=True)
-            self.loop.join(self.cfg.timeout)
-            if self.loop.is_alive():
-                raise PSTimeoutError(
-                    f"timed out after {self.cfg.timeout:g} s on rank {self.rank} waiting for every other rank to "
-                    f"close the PS ({self.loop.byes} of {self.world_size - 1} said goodbye)"
-                )
+            for r in self._loop_ranks():
+                self.channel.send(r, Header(kind=Kind.BYE, sender=self.rank), wait=True)
+            if self.loop is not None:
+                self.loop.join(self.cfg.timeout)
+                if self.loop.is_alive():
+                    raise PSTimeoutError(
+                        f"timed out after {self.cfg.timeout:g} s on rank {self.rank} waiting for the other ranks to "
+                        f"close the PS ({self.loop.byes} of {len(self.loop.expect_bye)} said goodbye)"
+                    )
             self.channel.flush()
             self._barrier("every rank to close the PS")
+            deadline = time.monotonic() + self.cfg.timeout
+            for p in self.server_procs:
+                p.join(max(0.1, deadline - time.monotonic()))
+            alive = [p.name for p in self.server_procs if p.is_alive()]
+            if alive:
+                raise PSTimeoutError(f"timed out after {self.cfg.timeout:g} s waiting for {alive} to exit")
         except BaseException as exc:
             err = exc
+        finally:
+            for p in self.server_procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
         if err is None:
-            dist.destroy_process_group(self.p2p_group)
-            dist.destroy_process_group(self.coll_group)
+            if not self.dedicated:
+                dist.destroy_process_group(self.p2p_group)
+            if self.coll_group is not None:
+                dist.destroy_process_group(self.coll_group)
+            self.p2p_group = None
+            self.channel = None
+            self._store = None
         if err is not None:
             raise err

@@ -11,13 +11,17 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 
 import torch
 
 from ivyplug.ps.dispatch import BatchQueue
-from ivyplug.ps.messages import Flag, Header, Kind, Status
-from ivyplug.ps.server import ShardServer
+from ivyplug.ps.messages import Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
+from ivyplug.ps.server import ShardServer, load_state_bytes
 from ivyplug.ps.transport import Channel
+
+_WANTS_REPLY = (Kind.PUSH_PULL, Kind.PULL, Kind.NEXT_BATCH, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
+_NEEDS_SHARD = (Kind.PUSH_PULL, Kind.PULL, Kind.NORM, Kind.IDLE, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
 
 
 class ServerLoop(threading.Thread):
@@ -28,17 +32,29 @@ class ServerLoop(threading.Thread):
         channel: Channel,
         server: ShardServer | None,
         queue: BatchQueue | None,
-        num_peers: int,
+        expect_bye: set[int],
         stop: threading.Event,
+        workers: set[int] | None = None,
+        on_workers_done: Callable[[], None] | None = None,
     ) -> None:
+        """``expect_bye``: ranks whose BYE ends the loop; ``on_workers_done`` runs once every rank in
+        ``workers`` said BYE (a dedicated server then says BYE to the other servers)."""
         super().__init__(name=f"ivyplug-ps-server-{channel.rank}", daemon=True)
         self.channel = channel
         self.server = server
         self.queue = queue
-        self.num_peers = num_peers
+        self.expect_bye = set(expect_bye)
+        self.workers = set(workers or ())
+        self.on_workers_done = on_workers_done
         self.stop = stop
-        self.byes = 0
+        self.bye_from: set[int] = set()
         self.error: BaseException | None = None
+        self._state_blob = b""
+        self._workers_done = False
+
+    @property
+    def byes(self) -> int:
+        return len(self.bye_from)
 
     def _flags(self) -> int:
         return Flag.STOP if self.stop.is_set() else 0
@@ -53,7 +69,7 @@ class ServerLoop(threading.Thread):
         self.channel.send(to, h, None, reply=True, wait=False)
 
     def run(self) -> None:
-        while self.byes < self.num_peers:
+        while not self.expect_bye <= self.bye_from:
             try:
                 header = self.channel.recv_request_header()
                 data, hyper = self.channel.recv_request_payload(header)
@@ -74,12 +90,19 @@ class ServerLoop(threading.Thread):
                 )
                 if self.server is not None:
                     self.server.fail(exc)
-                if header.kind in (Kind.PUSH_PULL, Kind.PULL, Kind.NEXT_BATCH):
+                if header.kind in (
+                    Kind.PUSH_PULL,
+                    Kind.PULL,
+                    Kind.NEXT_BATCH,
+                    Kind.STATE_SIZE,
+                    Kind.STATE_FETCH,
+                    Kind.LOAD,
+                ):
                     self._reply_error(header.sender, header)
 
     def _handle(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
         w = h.sender
-        if h.kind in (Kind.PUSH_PULL, Kind.PULL, Kind.NORM, Kind.IDLE) and self.server is None:
+        if h.kind in _NEEDS_SHARD and self.server is None:
             raise RuntimeError(f"rank {self.channel.rank} serves no shard but got a kind-{h.kind} request")
         if h.kind == Kind.PUSH_PULL:
             srv = self.server
@@ -116,9 +139,23 @@ class ServerLoop(threading.Thread):
         elif h.kind == Kind.STOP:
             self.stop.set()
         elif h.kind == Kind.BYE:
-            self.byes += 1
-            if self.server is not None and w < self.server.num_workers:
+            self.bye_from.add(w)
+            if self.server is not None and w in self.workers:
                 with self.server.cond:
                     self.server.set_idle(w)
+            if not self._workers_done and self.workers and self.workers <= self.bye_from:
+                self._workers_done = True  # exactly once: a second BYE to a finished peer is never received
+                if self.on_workers_done is not None:
+                    self.on_workers_done()
+        elif h.kind == Kind.STATE_SIZE:
+            assert self.server is not None
+            self._state_blob = self.server.state_bytes()
+            self._reply(w, h, None, arg0=len(self._state_blob))
+        elif h.kind == Kind.STATE_FETCH:
+            self._reply(w, h, bytes_to_words(self._state_blob), arg0=len(self._state_blob))
+        elif h.kind == Kind.LOAD:
+            assert self.server is not None and data is not None
+            self.server.load_state(load_state_bytes(words_to_bytes(data, h.arg0)))
+            self._reply(w, h, None)
         else:
             raise RuntimeError(f"unknown message kind {h.kind} from rank {w}")

@@ -34,6 +34,9 @@ class Kind:
     NEXT_BATCH = 5  # next batch index of the epoch (arg0 = epoch)
     STOP = 6  # raise the stop flag
     NORM = 7  # server to server: squared norm of a combined sync step (hyper payload = [sq_norm])
+    STATE_SIZE = 8  # dedicated server: serialise the shard's state, reply arg0 = its length in bytes
+    STATE_FETCH = 9  # dedicated server: reply with that state (bytes padded to fp32 words)
+    LOAD = 10  # dedicated server: payload = a state (bytes in fp32 words, arg0 = length); reply when loaded
     REPLY = 16
 
 
@@ -113,3 +116,15 @@ class Header:
 
 def empty_header() -> torch.Tensor:
     return torch.zeros(HEADER_LEN, dtype=torch.int64)
+
+
+def bytes_to_words(blob: bytes) -> torch.Tensor:
+    """Raw bytes as a float32 tensor (zero-padded to whole words; bit patterns travel unchanged)."""
+    padded = bytearray(blob) + bytearray((-len(blob)) % 4)
+    if not padded:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.frombuffer(padded, dtype=torch.uint8).clone().view(torch.float32)
+
+
+def words_to_bytes(words: torch.Tensor, nbytes: int) -> bytes:
+    return words.contiguous().view(torch.uint8).numpy().tobytes()[:nbytes]

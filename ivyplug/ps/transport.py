@@ -24,6 +24,9 @@ from ivyplug.ps.messages import (
     empty_header,
 )
 
+#: how long a server may sit idle between requests (an any-source receive must never time out, see above)
+IDLE_WAIT = timedelta(days=7)
+
 
 class PSTimeoutError(TimeoutError):
     """A wait on the parameter server took longer than ``PSConfig.timeout``."""
@@ -52,7 +55,7 @@ class Channel:
         self.rank = rank
         self.timeout = timeout
         self._send_lock = threading.Lock()
-        self._pending: deque[tuple[Any, tuple[torch.Tensor, ...]]] = deque()
+        self._pending: deque[tuple[Any, tuple[torch.Tensor, ...], str]] = deque()
 
     # -- sending -------------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
@@ -89,7 +92,7 @@ class Channel:
                 works.append(self._isend(hyper, dst, TAG_REQUEST_HYPER))
             if not wait:
                 for w in works:
-                    self._pending.append((w, tuple(tensors)))
+                    self._pending.append((w, tuple(tensors), f"kind {header.kind} to rank {dst}"))
         if wait:
             for w in works:
                 wait_work(w, self.timeout, f"rank {dst} to accept a message (kind {header.kind})")
@@ -102,8 +105,8 @@ class Channel:
             with self._send_lock:
                 if len(self._pending) <= limit:
                     return
-                w, _ = self._pending.popleft()
-            wait_work(w, self.timeout, "a peer to accept a reply")
+                w, _, what = self._pending.popleft()
+            wait_work(w, self.timeout, f"a peer to accept a message ({what})")
 
     def flush(self) -> None:
         """Wait for every send started with ``wait=False``."""
@@ -111,15 +114,15 @@ class Channel:
             with self._send_lock:
                 if not self._pending:
                     return
-                w, _ = self._pending.popleft()
-            wait_work(w, self.timeout, "a peer to accept a reply")
+                w, _, what = self._pending.popleft()
+            wait_work(w, self.timeout, f"a peer to accept a message ({what})")
 
     # -- receiving -----------------------------------------------------------------------------
     def recv_request_header(self) -> Header:
         """Block until any peer sends a request header (server loop only; see module docstring)."""
         t = empty_header()
         work = self.group.recv_anysource([t], TAG_REQUEST)
-        work.wait()
+        work.wait(timeout=IDLE_WAIT)
         return Header.decode(t)
 
     def recv_request_payload(self, header: Header) -> tuple[torch.Tensor | None, torch.Tensor | None]:

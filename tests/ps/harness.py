@@ -55,7 +55,7 @@ def run_workers(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, q), daemon=False) for r in range(world)]
     results: dict[int, tuple[str, Any]] = {}
     try:
         for p in procs:

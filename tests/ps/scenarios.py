@@ -199,6 +199,35 @@ def dispatch(rank: int, world: int, slow_rank: int) -> dict[str, Any]:
     return {"epochs": epochs, "stopped": stopped, "metrics": metrics}
 
 
+def dedicated_servers(rank: int, world: int) -> dict[str, Any]:
+    """num_servers=2 (separate CPU processes started by rank 0): sync equivalence and nothing lost."""
+    out: dict[str, Any] = {}
+    sizes = [3, 5]
+    for name in ("lamb",):  # one optimizer: starting server processes is the slow part here
+        model = mlp(seed=rank + 10)
+        opt = make_opt(name, model.parameters())
+        client = start(model, opt, mode="sync", num_servers=2, timeout=60.0)
+        ref = mlp(seed=10)
+        ref_opt = make_opt(name, ref.parameters())
+        for step in range(3):
+            x, y = batch(step, sum(sizes))
+            lo = sum(sizes[:rank])
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[lo : lo + sizes[rank]]), y[lo : lo + sizes[rank]]).backward()
+            client.step(sizes[rank], max_grad_norm=0.5)
+            ref.zero_grad()
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            ref_opt.step()
+        client.sync()
+        out[name] = max(float((a - b).abs().max()) for a, b in zip(_params(model), _params(ref), strict=True))
+        out[f"{name}_versions"] = [s["version"] for s in client.state_dict()["shards"]]
+        out["procs_before_close"] = len(client.server_procs)
+        client.close()
+        out["procs_alive_after_close"] = sum(p.is_alive() for p in client.server_procs)
+    return out
+
+
 def session_world2(rank: int, world: int) -> dict[str, Any]:
     return {
         "sync_equivalence": sync_equivalence(rank, world),
@@ -207,6 +236,7 @@ def session_world2(rank: int, world: int) -> dict[str, Any]:
         "ssp": ssp_trace(rank, world, staleness=1, slow_rank=1, steps=12),
         "dispatch": dispatch(rank, world, slow_rank=0),
         "lost": nothing_lost(rank, world, rounds=3, pushes=12),
+        "dedicated": dedicated_servers(rank, world),
     }
 
 
@@ -244,18 +274,21 @@ def nothing_lost(rank: int, world: int, rounds: int, pushes: int) -> dict[str, A
     }
 
 
-def session_world3(rank: int, world: int) -> dict[str, Any]:
-    return {
+def session_world3(rank: int, world: int, outdir: str) -> dict[str, Any]:
+    """3 workers: nothing lost, SSP bound (results saved per rank), then the last rank goes silent."""
+    results = {
         "lost": nothing_lost(rank, world, rounds=2, pushes=10),
         "ssp": ssp_trace(rank, world, staleness=2, slow_rank=2, steps=10),
     }
+    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    return silent_peer(rank, world)
 
 
 # -- failure ------------------------------------------------------------------------------------
 def silent_peer(rank: int, world: int) -> dict[str, Any]:
-    """A peer that never answers: sync (rank 1 never pushes) then async (rank 1 frozen by SIGSTOP).
+    """A peer that never answers: sync (the last rank never pushes) then async (it is frozen by SIGSTOP).
 
-    Rank 0's step must raise PSTimeoutError naming what it waited for, after about ``timeout`` s.
+    The other ranks' step must raise PSTimeoutError naming what it waited for, after about ``timeout`` s.
     """
     from ivyplug.ps import PSTimeoutError
 
@@ -265,7 +298,7 @@ def silent_peer(rank: int, world: int) -> dict[str, Any]:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         client = start(model, opt, mode=mode, timeout=2.0)
         dist.barrier()
-        if rank == 1:
+        if rank == world - 1:
             if mode == "async":
                 os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills us
                 time.sleep(60)

@@ -17,8 +17,17 @@ def world2() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def world3() -> list[dict[str, Any]]:
-    return run_workers(scenarios.session_world3, 3, timeout=240)
+def world3_session(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[dict[str, Any]]]:
+    """3 workers; the last one goes silent at the end, so per-rank results come through files."""
+    outdir = tmp_path_factory.mktemp("world3")
+    silent = run_workers(scenarios.session_world3, 3, str(outdir), timeout=240, need=[0, 1])
+    saved = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    return silent, saved
+
+
+@pytest.fixture(scope="module")
+def world3(world3_session: tuple[list[Any], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return world3_session[1]
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw", "lamb"])
@@ -118,10 +127,22 @@ def test_async_nothing_is_lost(world: str, request: pytest.FixtureRequest) -> No
     assert results[0]["versions"] == [pushes] * n
 
 
-def test_silent_peer_times_out_with_a_clear_error() -> None:
-    out = run_workers(scenarios.silent_peer, 2, timeout=120, need=[0])[0]
-    assert "pushes of step 0 from worker(s) [1]" in out["sync"]["error"]
-    assert "rank 1's reply to the push/pull of shard 1" in out["async"]["error"]
-    for mode in ("sync", "async"):
-        assert "timed out after 2 s" in out[mode]["error"]
-        assert out[mode]["seconds"] < 30
+@pytest.mark.parametrize("name", ["lamb"])
+def test_dedicated_servers_sync_equals_one_process(world2: list, name: str) -> None:
+    """2 workers + 2 dedicated server processes (their own gloo group over a PrefixStore)."""
+    for r in world2:
+        assert r["dedicated"][name] <= 1e-5
+        assert r["dedicated"][f"{name}_versions"] == [3, 3]
+    assert world2[0]["dedicated"]["procs_before_close"] == 2  # rank 0 started them ...
+    assert world2[0]["dedicated"]["procs_alive_after_close"] == 0  # ... and close() ended them
+    assert world2[1]["dedicated"]["procs_before_close"] == 0
+
+
+def test_silent_peer_times_out_with_a_clear_error(world3_session: tuple[list[Any], list[dict[str, Any]]]) -> None:
+    """Rank 2 never pushes (sync), then is frozen (async): ranks 0 and 1 get PSTimeoutError, not a hang."""
+    for out in world3_session[0][:2]:
+        assert "pushes of step 0 from worker(s) [2]" in out["sync"]["error"]
+        assert "rank 2's reply to the push/pull of shard 2" in out["async"]["error"]
+        for mode in ("sync", "async"):
+            assert "timed out after 2 s" in out[mode]["error"]
+            assert out[mode]["seconds"] < 30

@@ -46,6 +46,8 @@ LAMB_DEFAULT = "ivyplug LAMB (default: multi-tensor)"
 TARGET_VS_FUSED_ADAMW = 2.5
 TARGET_VS_TORCH_OPTIMIZER = 1.25
 CHILD_TIMEOUT_S = {True: 300.0, False: 1800.0}
+#: Environment variable that sets torch's intra-op threads for ``ivyplug bench lamb`` (default: torch's choice).
+THREADS_ENV = "IVYPLUG_BENCH_THREADS"
 
 
 def _make_params(total: int, n_tensors: int, seed: int) -> list[Any]:
@@ -122,20 +124,20 @@ def _contenders() -> list[tuple[str, Callable[[list[Any]], Any] | None, str]]:
     return rows
 
 
-def _add_bandwidth(total: int, repeats: int) -> float:
-    """Bytes/s of an in-place ``a.add_(b)`` over ``total`` float32 elements (read a, read b, write a)."""
+def _add_probe(total: int) -> Callable[[], None]:
+    """An in-place ``a.add_(b)`` over ``total`` float32 elements: 12 bytes moved per element (read a, b; write a).
+
+    Timed in the same interleaved rounds as the optimizers, so the floor sees the same foreign load.
+    """
     import torch
 
     a = torch.zeros(total)
     b = torch.ones(total)
-    for _ in range(3):
+
+    def probe() -> None:
         a.add_(b)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a.add_(b)
-        times.append(time.perf_counter() - t0)
-    return 12.0 * total / statistics.median(times)
+
+    return probe
 
 
 def _measure_size(label: str, total: int, n_tensors: int, warmup: int, steps: int) -> dict[str, Any]:
@@ -153,6 +155,8 @@ def _measure_size(label: str, total: int, n_tensors: int, warmup: int, steps: in
             steppers[name] = factory(params)
         except Exception as exc:  # a third-party optimizer that rejects this torch
             rows[name]["status"] = f"error: {type(exc).__name__}: {str(exc)[:80]}"
+    probe = "in-place add_ (bandwidth probe)"
+    steppers[probe] = _add_probe(n_params)
     times: dict[str, list[float]] = {name: [] for name in steppers}
     faults: dict[str, int] = dict.fromkeys(steppers, 0)
     names = list(steppers)
@@ -167,7 +171,7 @@ def _measure_size(label: str, total: int, n_tensors: int, warmup: int, steps: in
             if r >= warmup:
                 times[name].append(elapsed)
                 faults[name] += after - before
-    bandwidth = _add_bandwidth(n_params, repeats=max(10, steps))
+    bandwidth = 12.0 * n_params / statistics.median(times.pop(probe))
     floor_ms = BYTES_PER_ELEMENT * n_params / bandwidth * 1e3
     reference_ms = statistics.median(times[REFERENCE]) * 1e3 if REFERENCE in times else float("nan")
     for name, samples in times.items():
@@ -251,9 +255,14 @@ def run(
 ) -> dict[str, Any]:
     """Both allocator settings, each in a fresh subprocess.
 
-    ``sizes`` overrides :data:`SIZES` and ``threads`` torch's intra-op thread count (smoke tests use tiny sizes and
-    one thread; the measurement uses torch's default).
+    ``sizes`` overrides :data:`SIZES` and ``threads`` torch's intra-op thread count (default: the
+    ``IVYPLUG_BENCH_THREADS`` environment variable, else torch's choice; smoke tests use tiny sizes and one thread).
     """
+    if threads is None and os.environ.get(THREADS_ENV):
+        try:
+            threads = int(os.environ[THREADS_ENV])
+        except ValueError:
+            raise ValueError(f"{THREADS_ENV} must be an int >= 1, got {os.environ[THREADS_ENV]!r}") from None
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
     chosen = SIZES if sizes is None else sizes
@@ -263,7 +272,7 @@ def run(
     config = {
         "sizes": list(chosen.items()),
         "warmup": 2 if quick else 5,
-        "steps": 5 if quick else 60,
+        "steps": 5 if quick else 50,
         "threads": threads,
     }
     load_before = os.getloadavg()

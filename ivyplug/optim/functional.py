@@ -11,10 +11,11 @@ The algorithm is Algorithm 2 of You et al. (ICLR 2020), with these documented ch
 * global gradient clipping (``grad_scale``) is applied by scaling ``g`` inside the moment updates, so the caller's
   ``.grad`` tensors are never modified.
 
-Both kernels evaluate the same algebra, written to keep the number of passes small and allocation-free:
-``u = c·m / (√v + ε·√bc2) + λx`` with ``c = √bc2 / bc1`` equals ``m̂/(√v̂+ε) + λx``. Each kernel keeps ``u`` (or
-``u/λ``) in a reused scratch buffer (:class:`Workspace`), so a step allocates nothing large and causes no page
-faults, whatever the allocator settings.
+The kernels keep the number of passes small and allocate nothing per step: the direction ``u`` (stored as ``u/λ``,
+or ``u/c``, and rescaled in the norms and the final update) lives in a reused scratch buffer (:class:`Workspace`),
+so no large temporaries are freed to the OS and faulted in again each step, whatever the allocator settings. The
+loop and the plain ``_foreach`` path use ``m̂/(√v̂+ε) = c·m/(√v+ε·√bc2)`` with ``c = √bc2/bc1``; the CPU
+multi-tensor path lets torch's fused Adam kernel write ``m̂/(√v̂+ε)`` (same formula, torch's rounding).
 
 Device rule for ``foreach=None`` (:func:`resolve_foreach`): the multi-tensor kernel, except on CPU when torch's
 fused Adam kernel cannot serve the dtype, where the per-tensor loop runs. On CPU the multi-tensor kernel computes

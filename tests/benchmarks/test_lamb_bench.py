@@ -1,7 +1,7 @@
 """Smoke test of ``ivyplug bench lamb`` (tiny sizes, one thread): structure, not speed.
 
-The settings normally run in two fresh subprocesses (each pays for ``import torch``); here one test runs them
-in-process with the same environment, and one runs the real subprocess entry point once.
+The settings normally run in two fresh subprocesses (each pays for ``import torch``); here they run in-process with
+the same environment, and the subprocess plumbing is checked with a fake ``subprocess.run``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 from typing import Any
@@ -62,17 +63,29 @@ def test_bad_sizes_and_threads_raise() -> None:
         bench.run(quick=True, sizes={"x": (10, 2)}, threads=0)
 
 
-def test_child_entry_point_runs_in_a_subprocess() -> None:
-    env = {**os.environ, **bench.RAISED_MALLOC_ENV}
+def test_child_entry_point_and_allocator_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ``--child`` entry point prints one JSON line; ``_run_child`` scrubs and sets the MALLOC_ variables.
+
+    (Run in-process: a fresh interpreter would spend most of this test's budget importing torch.)
+    """
     config = {"sizes": [["tiny", [2000, 2]]], "warmup": 1, "steps": 2, "threads": 1}
-    proc = subprocess.run(
-        [sys.executable, "-m", "ivyplug.benchmarks.lamb", "--child", json.dumps(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    child = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert child["malloc_env"] == bench.RAISED_MALLOC_ENV
+    monkeypatch.setattr(sys, "argv", ["lamb", "--child", json.dumps(config)])
+    runpy.run_module("ivyplug.benchmarks.lamb", run_name="__main__")
+    child = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert child["sizes"][0]["rows"][0]["median_ms"] > 0
+
+    seen: dict[str, Any] = {}
+
+    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        seen.update(cmd=cmd, **kwargs)
+        return subprocess.CompletedProcess(cmd, 0, stdout="noise\n" + json.dumps(child) + "\n", stderr="")
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    assert bench._run_child(config, bench.RAISED_MALLOC_ENV, 10.0) == child
+    assert seen["cmd"][1:4] == ["-m", "ivyplug.benchmarks.lamb", "--child"] and seen["timeout"] == 10.0
+    assert {k: v for k, v in seen["env"].items() if k.startswith("MALLOC_")} == bench.RAISED_MALLOC_ENV
+    bench._run_child(config, {}, 10.0)
+    assert not any(k.startswith("MALLOC_") for k in seen["env"])

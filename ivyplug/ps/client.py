@@ -186,6 +186,9 @@ class PSClient:
                 host, int(port), rank, world_size + cfg.num_servers, cfg.timeout, store=store
             )
         except RuntimeError as exc:
+            for proc in self.server_procs:  # do not leave half-started servers behind
+                proc.kill()
+                proc.join(5)
             raise PSTimeoutError(
                 f"rank {rank} could not join the PS group of {world_size} workers and {cfg.num_servers} dedicated "
                 f"servers at {host}:{int(port)} within {cfg.timeout:g} s: {exc}"

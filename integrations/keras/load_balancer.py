@@ -5,12 +5,15 @@ The decisions are ivyplug's framework-free core (:mod:`ivyplug.load`): probes po
 :func:`~ivyplug.load.lr_factor` for the learning rate. This module only wires them into Keras:
 
 * **Once per epoch, identical everywhere.** At each epoch end every worker turns its sampler window
-  into a :class:`~ivyplug.load.LoadObservation`; the observations are exchanged with one cross-replica
-  ``SUM`` reduce through ``self.model.distribute_strategy`` (each worker writes its own slot of a
+  into a :class:`~ivyplug.load.LoadObservation`; with several workers (MultiWorkerMirroredStrategy) the
+  observations are exchanged with one cross-replica ``SUM`` reduce through
+  ``self.model.distribute_strategy`` (each worker writes its own slot of a
   zero vector, so the sum copies the values exactly), then every worker runs the same pure policy on
   the same inputs and reaches the same decision. Every worker makes the same collective call in the
-  same order, which MultiWorkerMirroredStrategy requires. (Callbacks run outside the strategy scope, so
-  ``tf.distribute.get_strategy()`` would be the default strategy there.)
+  same order, which MultiWorkerMirroredStrategy requires. In one process (one device, MirroredStrategy)
+  the replicas share one callback, one pipeline and mirrored optimizer variables, so no collective is
+  needed. (Callbacks run outside the strategy scope, so ``tf.distribute.get_strategy()`` would be the
+  default strategy there.)
 * **Batch size** changes go through :class:`~ivyplug.integrations.keras.elastic.ElasticDataset`: the
   new size is scheduled at the first step the input pipeline has not produced yet (``lag`` steps after
   the last consumed one) and is a multiple of the number of replicas.
@@ -370,10 +373,12 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         """Every worker's observation, identical on every worker (one SUM reduce per epoch)."""
         strategy = self.strategy
         replicas = int(strategy.num_replicas_in_sync)
-        if replicas == 1:
+        if replicas == 1:  # the default strategy has no worker_devices
             return [local]
         per_worker = len(strategy.extended.worker_devices)
         workers = replicas // per_worker
+        if workers == 1:  # one process (single device, MirroredStrategy): nothing to agree on
+            return [local]
         row = np.array(
             [
                 local.utilization or 0.0,

@@ -1,0 +1,238 @@
+"""One worker of ``ivyplug demo``: trains every run of the demo one after the other, as rank LOCAL_RANK of 2.
+
+``LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 python -m ivyplug.integrations.lightning.demo_job
+--runs ddp,ivy_ps_async --ports 29510,29511 --slowdown 3 --epochs 8 --repeat 4 --out DIR``, started once per
+rank by ``ivyplug demo`` (Lightning then launches nothing itself, as under torchrun). Both workers import
+Lightning once for all runs: on a loaded 2-core machine an import costs tens of seconds. Each run gets a fresh
+process group on its own port. The model, data and slow worker are those of ``ivyplug bench ps``
+(:mod:`ivyplug.benchmarks.ps_job`): the digits MLP 64-1024-1024-10 at batch 256 per worker, and BRIEF §7's
+delay injector (rank 1 sleeps (k-1) x 3 x its measured forward time every step). Only the optimizer, the
+strategy and the callbacks change from run to run (:data:`RUNS`).
+
+Rank 0 prints one progress line per validated epoch (prefixed :data:`PROGRESS_PREFIX`, for the parent to
+show) and writes the validation accuracy against wall time since ``on_fit_start``, the train-epoch times,
+and, with the balancer, its per-epoch shares; every rank writes the samples it trained and the delay injected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from ivyplug.benchmarks.ps_job import BenchMLP, EpochClock, digits
+from torch.utils.data import DataLoader
+
+#: Lines of rank 0's stdout that start with this are progress for the user; the rest is the job's log.
+PROGRESS_PREFIX = "@@demo "
+BATCH_PER_WORKER = 256
+VAL_BATCH = 512
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What one demo run trains with."""
+
+    name: str
+    label: str
+    strategy: str  # "ddp", "ivy_ps_sync" or "ivy_ps_async"
+    optimizer: str  # "adamw" or "lamb"
+    lr: float
+    balancer: bool
+    note: str
+
+
+#: The demo's runs, in the order they run and are shown. Same model, data, slow worker and batch per step.
+RUNS: dict[str, RunSpec] = {
+    "ddp": RunSpec(
+        name="ddp",
+        label="ddp + AdamW",
+        strategy="ddp",
+        optimizer="adamw",
+        lr=1e-3,
+        balancer=False,
+        note="the baseline: every step waits for the slow worker's gradient",
+    ),
+    "ivy_ps_sync_lb": RunSpec(
+        name="ivy_ps_sync_lb",
+        label="ivy_ps sync + LAMB + IvyLoadBalancer",
+        strategy="ivy_ps_sync",
+        optimizer="lamb",
+        lr=1e-2,
+        balancer=True,
+        note="synchronous like DDP; the balancer moves samples of the global batch to the fast worker each epoch",
+    ),
+    "ivy_ps_async": RunSpec(
+        name="ivy_ps_async",
+        label="ivy_ps async + LAMB",
+        strategy="ivy_ps_async",
+        optimizer="lamb",
+        lr=1e-2,
+        balancer=False,
+        note=(
+            "no IvyLoadBalancer: under async the PS hands each worker its next batch when it asks, so the fast "
+            "worker already trains more batches and there are no per-rank shares to rebalance (the balancer "
+            "would only monitor)"
+        ),
+    ),
+}
+
+
+class DemoMLP(BenchMLP):
+    """``ivyplug bench ps``'s MLP and slow worker, with the optimizer of the run (AdamW or ivyplug's LAMB)."""
+
+    def __init__(self, slowdown: float, lr: float, optimizer: str) -> None:
+        super().__init__(slowdown, lr)
+        self.optimizer_name = optimizer
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "lamb":
+            from ivyplug.optim import LAMB, lamb_param_groups
+
+            # biases excluded from layer adaptation and weight decay, as in the LAMB paper
+            return LAMB(lamb_param_groups(self.net, weight_decay=0.01), lr=self.lr)
+        return super().configure_optimizers()
+
+
+class AccuracyClock(pl.Callback):
+    """Rank 0: validation accuracy after each epoch against wall seconds since ``on_fit_start``, printed as it goes."""
+
+    def __init__(self, label: str, epochs: int) -> None:
+        self.label = label
+        self.epochs = epochs
+        self.points: list[tuple[float, float]] = []
+        self.fit_seconds = 0.0
+        self.samples = 0  # trained by this rank
+        self._t0 = 0.0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.samples += len(batch[1])
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        elapsed = time.perf_counter() - self._t0
+        accuracy = float(trainer.callback_metrics["val_acc"])
+        self.points.append((elapsed, accuracy))
+        if trainer.global_rank == 0:
+            print(
+                f"{PROGRESS_PREFIX}[{self.label}] epoch {trainer.current_epoch + 1}/{self.epochs}  "
+                f"t={elapsed:6.1f}s  val_acc={accuracy:.4f}",
+                flush=True,
+            )
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.fit_seconds = time.perf_counter() - self._t0
+
+
+def build_strategy(name: str) -> Any:
+    """The Trainer's strategy for a run: Lightning's ``ddp`` or ivyplug's PS in sync or async mode."""
+    if name == "ddp":
+        return "ddp"
+    from ivyplug.integrations.lightning import IvyPSStrategy
+
+    return IvyPSStrategy(mode="sync" if name == "ivy_ps_sync" else "async", timeout=300.0)
+
+
+def fit_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Train one run on this worker; rank 0 returns its results (other ranks: None)."""
+    pl.seed_everything(0, verbose=False)  # same initial weights and data order in every run
+    train, val = digits(args.repeat)
+    model = DemoMLP(args.slowdown, spec.lr, spec.optimizer)
+    clock = AccuracyClock(spec.label, args.epochs)
+    epochs = EpochClock()
+    callbacks: list[pl.Callback] = [clock, epochs]
+    balancer = None
+    if spec.balancer:
+        from ivyplug.integrations.lightning import IvyLoadBalancer
+
+        from ivyplug.load import PsutilProbe
+
+        # batch-size policy pinned (global batch 512, as in the other runs): only the per-worker shares move
+        balancer = IvyLoadBalancer(probes=[PsutilProbe(per_cpu=False)], adapt_batch_size=False)
+        callbacks.append(balancer)
+    trainer = pl.Trainer(
+        strategy=build_strategy(spec.strategy),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    trainer.fit(
+        model,
+        DataLoader(train, batch_size=BATCH_PER_WORKER, shuffle=True),
+        DataLoader(val, batch_size=VAL_BATCH),
+    )
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # the next run starts a fresh group on its own port
+    # every rank reports its own work through a file: a collective would need the ranks to meet once more
+    worker = {"samples": clock.samples, "injected_sleep_s": model.slept}
+    (args.out / f"{spec.name}.rank{trainer.global_rank}.json").write_text(json.dumps(worker))
+    if trainer.global_rank != 0:
+        return None
+    return {
+        "run": spec.name,
+        "label": spec.label,
+        "strategy": spec.strategy,
+        "optimizer": spec.optimizer,
+        "lr": spec.lr,
+        "balancer": spec.balancer,
+        "note": spec.note,
+        "slowdown": args.slowdown,
+        "epochs": args.epochs,
+        "repeat": args.repeat,
+        "batch_per_worker": BATCH_PER_WORKER,
+        "train_samples": len(train),
+        "val_samples": len(val),
+        "fit_seconds": clock.fit_seconds,
+        "curve": clock.points,
+        "epoch_times": epochs.times,
+        "val_acc": clock.points[-1][1] if clock.points else None,
+        "shares": [h["next_shares"] for h in balancer.history] if balancer else None,
+        "ivy_metrics": {k: v for k, v in sorted(metrics.items()) if k.startswith("ivy/")},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", required=True, help=f"comma-separated, from {sorted(RUNS)}")
+    parser.add_argument("--ports", required=True, help="comma-separated: one free MASTER_PORT per run")
+    parser.add_argument("--slowdown", type=float, default=3.0, help="rank 1 is this many times slower at compute")
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--repeat", type=int, required=True, help="the 1440 training digits repeated this often")
+    parser.add_argument("--out", type=Path, required=True, help="folder: rank 0 writes <run>.json there")
+    args = parser.parse_args()
+    names = args.runs.split(",")
+    ports = [int(p) for p in args.ports.split(",")]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or len(ports) != len(names):
+        parser.error(f"--runs must name runs from {sorted(RUNS)} (got {unknown}) with one port each in --ports")
+    if "LOCAL_RANK" not in os.environ:
+        parser.error("start one process per worker with LOCAL_RANK, WORLD_SIZE=2, MASTER_ADDR set (ivyplug demo does)")
+    torch.set_num_threads(1)  # two workers on two cores
+    for name, port in zip(names, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        result = fit_one(RUNS[name], args)
+        if result is not None:
+            (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,12 @@ from collections.abc import Sequence
 from ivyplug._version import __version__
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS: tuple[str, ...] = ("ivyplug.commands.listing", "ivyplug.commands.bench", "ivyplug.commands.devices", "ivyplug.commands.demo")
+COMMANDS: tuple[str, ...] = (
+    "ivyplug.commands.listing",
+    "ivyplug.commands.bench",
+    "ivyplug.commands.devices",
+    "ivyplug.commands.demo",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -210,7 +210,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("wall time since fit start (s)")
         ax.set_ylabel("validation accuracy")
         ax.set_xlim(left=0)
-        ax.set_title(f"digits, 2 CPU workers, worker 1 {results['slowdown']:g}x slower")
+        load = results["loadavg_before"][0]
+        ax.set_title(
+            f"digits, 2 CPU workers, worker 1 {results['slowdown']:g}x slower "
+            f"(load average {load:.1f} on {results['cpu_count']} CPUs)",
+            fontsize=10,
+        )
         ax.grid(True, alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
         fig.tight_layout()

@@ -273,7 +273,11 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     print("  starting the workers (importing Lightning can take a while on a busy machine)...", flush=True)
-    results = demo(epochs, repeat, args.slowdown, args.out, timeout, args.quick)
+    try:
+        results = demo(epochs, repeat, args.slowdown, args.out, timeout, args.quick)
+    except RuntimeError as exc:  # a worker failed or the job ran past --timeout: the message has the logs
+        print(f"ivyplug demo: error: {exc}", file=sys.stderr)
+        return 1
     print()
     print(format_table(results))
     print(f"wrote {args.out / 'demo.png'} and {args.out / 'demo.json'}")

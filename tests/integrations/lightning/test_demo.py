@@ -98,6 +98,14 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path: Path) -> None:
         demo.check_options(2, 3.0, 0.0)
 
 
+@pytest.mark.timeout(120)
+def test_a_job_past_its_timeout_is_stopped_with_a_clear_error(tmp_path: Path) -> None:
+    result = _run_cli(["demo", "--quick", "--timeout", "3", "--out", str(tmp_path / "x")], cwd=tmp_path, timeout=90)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "ivyplug demo: error: ivyplug demo did not finish within --timeout 3 s" in result.stdout
+    assert not (tmp_path / "x" / "demo.json").exists()
+
+
 def test_command_module_imports_no_framework() -> None:
     """The run names and progress prefix it shares with the job are checked by the quick run above."""
     code = (

@@ -100,7 +100,8 @@ class Channel:
             self._prune()
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _prune(self, limit: int = 256) -> None:
+    def _prune(self, limit: int = 16) -> None:
+        """Bound the sends kept alive (each holds its tensors): wait for the oldest beyond ``limit``."""
         while True:
             with self._send_lock:
                 if len(self._pending) <= limit:

@@ -209,8 +209,8 @@ class PSClient:
 
     def _flat_local(self) -> torch.Tensor:
         """All params then buffers of this process, flat fp32 (used for the initial broadcast)."""
-        ts = [p.detach().reshape(-1).float() for _, p in self.params] + [
-            b.detach().reshape(-1).float() for _, b in self.buffers
+        ts = [p.detach().reshape(-1).float().cpu() for _, p in self.params] + [
+            b.detach().reshape(-1).float().cpu() for _, b in self.buffers
         ]
         return torch.cat(ts) if ts else torch.zeros(0)
 

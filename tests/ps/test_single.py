@@ -206,6 +206,21 @@ def test_one_worker_with_dedicated_servers_equals_single_process_and_resumes() -
     assert not any(p.is_alive() for p in client.server_procs)
 
 
+def test_params_outside_the_optimizer_are_served_but_not_updated() -> None:
+    model = mlp(seed=0)
+    frozen = model[0].weight
+    frozen.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, weight_decay=0.1)
+    before = frozen.detach().clone()
+    client = PSClient.start(PSConfig(mode="async"), [p for p in model.parameters()], [], opt)  # plain tensors
+    client.pull_initial()
+    x, y = batch(0, 4)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    client.step(4)
+    assert torch.equal(frozen, before)
+    assert not torch.equal(model[2].weight, mlp(seed=0)[2].weight)
+
+
 def test_bad_arguments_are_refused() -> None:
     from ivyplug.optim import LAMB
 

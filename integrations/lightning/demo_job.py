@@ -113,6 +113,8 @@ class AccuracyClock(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0 = time.perf_counter()
+        if trainer.global_rank == 0:
+            print(f"{PROGRESS_PREFIX}[{self.label}] workers connected, training {self.epochs} epochs", flush=True)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -59,6 +59,7 @@ def test_quick_demo_prints_table_for_every_run(quick_run: tuple[subprocess.Compl
         assert wall > 0 and samples_per_s > 0 and 0.0 <= acc <= 1.0
     # progress while it ran: one line per epoch and run
     assert sum("epoch " in line and "val_acc=" in line for line in lines) == 2 * len(demo.RUN_NAMES)
+    assert sum("workers connected" in line for line in lines) == len(demo.RUN_NAMES)
     assert "no IvyLoadBalancer: under async" in result.stdout
 
 

@@ -134,7 +134,7 @@ def run_workers(epochs: int, repeat: int, slowdown: float, timeout: float, resul
                 log1.flush()
                 rank1_tail = rank1_log.read_text()[-3000:]
                 raise RuntimeError(
-                    f"ivyplug demo: a worker failed (exit codes {codes}).\nworker 0:\n{''.join(tail)[-3000:]}\n"
+                    f"a worker failed (exit codes {codes}).\nworker 0:\n{''.join(tail)[-3000:]}\n"
                     f"worker 1:\n{rank1_tail}"
                 )
         finally:
@@ -234,7 +234,7 @@ def demo(epochs: int, repeat: int, slowdown: float, out: Path, timeout: float, q
         for name in RUN_NAMES:
             path = Path(tmp, f"{name}.json")
             if not path.exists():
-                raise RuntimeError(f"ivyplug demo: worker 0 wrote no results for run {name!r}")
+                raise RuntimeError(f"worker 0 wrote no results for run {name!r}")
             result = json.loads(path.read_text())
             workers = [json.loads(Path(tmp, f"{name}.rank{r}.json").read_text()) for r in range(WORKERS)]
             result["samples_per_worker"] = [w["samples"] for w in workers]

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,9 @@ def piece_shape(shape: tuple[int, ...], piece: Piece) -> tuple[int, ...]:
         return ()
     return (piece.row_end - piece.row_start, *shape[1:])
 
+
+#: how many SSP releases a shard remembers
+SSP_TRACE_LEN = 10_000
 
 #: hyper vector layout sent with every push: [max_grad_norm or -1, num_samples, *optimizer values]
 HYPER_PREFIX = 2
@@ -100,7 +104,8 @@ class ShardServer:
         self._sync_combined: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None
         self._norms: dict[int, dict[int, float]] = {}
         self._sync_hyper = torch.zeros(0, dtype=torch.float64)
-        self.ssp_trace: list[tuple[int, int, int]] = []  # (worker, its clock, min live clock) at release
+        # (worker, its clock, min live clock) at each ssp release; the latest ones only (for tests/diagnosis)
+        self.ssp_trace: deque[tuple[int, int, int]] = deque(maxlen=SSP_TRACE_LEN)
         # parked replies: (worker, deliver(snapshot, version, staleness))
         self._parked: list[tuple[int, int, Callable[[torch.Tensor, int, int], None]]] = []
 

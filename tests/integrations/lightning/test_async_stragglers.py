@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from .digits import DigitsMLP
 from .helpers import quiet_trainer, reaped_children
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(280), pytest.mark.slow]
 
 TRAIN_SIZE = 640
 BATCH = 32

@@ -16,7 +16,9 @@ from .helpers import max_abs_diff, params_of, quiet_trainer, reference_training
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_async_one_worker_equals_single_process_exactly() -> None:
+@pytest.mark.parametrize("num_servers", [0, 1])
+def test_async_one_worker_equals_single_process_exactly(num_servers: int) -> None:
+    """Co-located shard, or one dedicated CPU server process: the same bits as plain torch."""
     seed_everything(0)
     model = DigitsMLP(hidden=32, lr=0.05, train_size=500, batch_size=32)  # 16 batches, the last one of 20
     x, y, _, _ = digits_tensors()
@@ -29,7 +31,9 @@ def test_async_one_worker_equals_single_process_exactly() -> None:
         batch_size=32,
         world_size=1,
     )
-    trainer = quiet_trainer(IvyPSStrategy(mode="async"), devices=1, max_epochs=2, limit_val_batches=0)
+    trainer = quiet_trainer(
+        IvyPSStrategy(mode="async", num_servers=num_servers), devices=1, max_epochs=2, limit_val_batches=0
+    )
     trainer.fit(model)
     got = params_of(model)
     for name in expected:

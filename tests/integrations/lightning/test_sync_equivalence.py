@@ -1,12 +1,13 @@
 """``mode="sync"`` with 2 spawned workers: the same parameters as DDP and as single-process training.
 
 Also checkpoint/resume (stop after epoch 2, resume to 4 == uninterrupted, bitwise) and the sync
-convergence check, sharing the runs because every spawned fit costs seconds.
+convergence check, sharing one PS run (a module fixture) because every spawned fit costs seconds.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from .digits import DigitsMLP, digits_tensors
 from .helpers import max_abs_diff, params_of, quiet_trainer, reaped_children, reference_training
 
-pytestmark = pytest.mark.timeout(290)
+pytestmark = [pytest.mark.timeout(290), pytest.mark.slow]
 
 EPOCHS = 4
 BATCH = 32
@@ -30,63 +31,90 @@ def _sgd_with_step_lr(m: Any) -> tuple[torch.optim.Optimizer, Any]:
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
-def test_sync_sgd_clip_steplr_equals_ddp_and_single_process_and_resumes_bitwise(tmp_path: Path) -> None:
-    seed_everything(0)
-    init = DigitsMLP(hidden=64, lr=0.1, optimizer="sgd", step_lr=True, batch_size=BATCH)
-    x, y, _, _ = digits_tensors()
-    expected = reference_training(init, _sgd_with_step_lr, x, y, EPOCHS, BATCH, world_size=2, clip=0.5)
+def _model() -> DigitsMLP:
+    return DigitsMLP(hidden=64, lr=0.1, optimizer="sgd", step_lr=True, batch_size=BATCH)
 
+
+@dataclass
+class SyncRun:
+    init: DigitsMLP
+    params: dict[str, torch.Tensor]
+    val_acc: float
+    checkpoints: Path
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory: pytest.TempPathFactory) -> SyncRun:
+    """SGD + momentum, StepLR, gradient_clip_val=0.5, 4 epochs, a checkpoint after every epoch."""
+    checkpoints = tmp_path_factory.mktemp("sync_ckpt")
+    seed_everything(0)
+    init = _model()
+    model = copy.deepcopy(init)
     with reaped_children():
-        ps_model = copy.deepcopy(init)
-        ps_trainer = quiet_trainer(
+        trainer = quiet_trainer(
             IvyPSStrategy(mode="sync", start_method="spawn", timeout=60),
             devices=2,
             max_epochs=EPOCHS,
             gradient_clip_val=0.5,
             enable_checkpointing=True,
-            callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)],
-            default_root_dir=str(tmp_path),
+            callbacks=[ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1, every_n_epochs=1)],
+            default_root_dir=str(checkpoints),
         )
-        ps_trainer.fit(ps_model)
-        ps_params = params_of(ps_model)
-        val_acc = float(ps_trainer.callback_metrics["val_acc"])
+        trainer.fit(model)
+    return SyncRun(init, params_of(model), float(trainer.callback_metrics["val_acc"]), checkpoints)
 
-        ddp_model = copy.deepcopy(init)
+
+def test_sync_sgd_clip_steplr_equals_single_process_and_ddp_and_converges(sync_run: SyncRun) -> None:
+    x, y, _, _ = digits_tensors()
+    expected = reference_training(sync_run.init, _sgd_with_step_lr, x, y, EPOCHS, BATCH, world_size=2, clip=0.5)
+    assert max_abs_diff(sync_run.params, expected) <= 1e-5
+    assert max_abs_diff(sync_run.params, params_of(sync_run.init)) > 1e-2  # it trained
+    assert sync_run.val_acc >= 0.95
+
+    ddp_model = copy.deepcopy(sync_run.init)
+    with reaped_children():
         quiet_trainer("ddp_spawn", devices=2, max_epochs=EPOCHS, gradient_clip_val=0.5, limit_val_batches=0).fit(
             ddp_model
         )
-        ddp_params = params_of(ddp_model)
+    assert max_abs_diff(sync_run.params, params_of(ddp_model)) <= 1e-5
 
-        resumed = DigitsMLP(hidden=64, lr=0.1, optimizer="sgd", step_lr=True, batch_size=BATCH)  # other init
+
+def test_sync_resume_after_epoch_2_matches_uninterrupted_bitwise(sync_run: SyncRun) -> None:
+    checkpoint_path = sync_run.checkpoints / "epoch=1.ckpt"  # written after the second epoch
+    ps_state = torch.load(checkpoint_path, weights_only=False)["optimizer_states"][0]["ivyplug_ps"]
+    assert ps_state["num_shards"] == 2 and len(ps_state["shards"]) == 2
+
+    seed_everything(123)
+    resumed = _model()  # another initialisation: everything must come from the checkpoint
+    with reaped_children():
         quiet_trainer(
             IvyPSStrategy(mode="sync", start_method="spawn", timeout=60),
             devices=2,
             max_epochs=EPOCHS,
             gradient_clip_val=0.5,
             limit_val_batches=0,
-        ).fit(resumed, ckpt_path=tmp_path / "epoch=1.ckpt")
-        resumed_params = params_of(resumed)
-
-    assert max_abs_diff(ps_params, expected) <= 1e-5
-    assert max_abs_diff(ps_params, ddp_params) <= 1e-5
-    assert max_abs_diff(ps_params, params_of(init)) > 1e-2  # it trained
-    assert val_acc >= 0.95
-    for name in ps_params:
-        assert torch.equal(resumed_params[name], ps_params[name]), name
-
-    checkpoint = torch.load(tmp_path / "epoch=1.ckpt", weights_only=False)
-    ps_state = checkpoint["optimizer_states"][0]["ivyplug_ps"]
-    assert ps_state["num_shards"] == 2 and len(ps_state["shards"]) == 2
+        ).fit(resumed, ckpt_path=checkpoint_path)
+    resumed_params = params_of(resumed)
+    for name in sync_run.params:
+        assert torch.equal(resumed_params[name], sync_run.params[name]), name
 
 
 def test_sync_lamb_equals_single_process() -> None:
     from ivyplug.optim import LAMB
 
-    seed_everything(1)
+    seed_everything(1)  # also Lightning's sampler seed (PL_GLOBAL_SEED)
     init = DigitsMLP(hidden=32, lr=0.01, optimizer="lamb", train_size=512, batch_size=BATCH)
     x, y, _, _ = digits_tensors()
     expected = reference_training(
-        init, lambda m: (LAMB(m.parameters(), lr=0.01), None), x[:512], y[:512], 2, BATCH, world_size=2, clip=0.5
+        init,
+        lambda m: (LAMB(m.parameters(), lr=0.01), None),
+        x[:512],
+        y[:512],
+        2,
+        BATCH,
+        world_size=2,
+        clip=0.5,
+        seed=1,
     )
     with reaped_children():
         model = copy.deepcopy(init)

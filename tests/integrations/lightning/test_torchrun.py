@@ -21,7 +21,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.timeout(280)
+@pytest.mark.slow
+@pytest.mark.timeout(295)
 def test_two_torchrun_nodes_train_on_the_ps(tmp_path: Path) -> None:
     port = _free_port()
     procs = []
@@ -41,7 +42,7 @@ def test_two_torchrun_nodes_train_on_the_ps(tmp_path: Path) -> None:
                     start_new_session=True,
                 )
             )
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
+        outputs = [p.communicate(timeout=270)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

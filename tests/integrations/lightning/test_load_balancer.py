@@ -192,3 +192,21 @@ def test_ivy_ps_async_is_monitored_only() -> None:
         assert cb.monitoring_only is not None
     finally:
         cb.teardown(trainer, DigitsMLP(), "fit")
+
+
+def test_resume_from_a_checkpoint_continues_with_the_saved_batch_size(tmp_path: Path) -> None:
+    model = DigitsMLP(batch_size=16, n=128, optimizer="sgd")
+    probe = ScriptedProbe([IDLE, BAND], clock=lambda: model.current_epoch)
+    trainer = _fit(model, IvyLoadBalancer(probes=[probe], interval=0.05), max_epochs=1)
+    path = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(path)
+    lr_saved = trainer.optimizers[0].param_groups[0]["lr"]
+    assert lr_saved == pytest.approx(0.02)  # B 16 -> 32, linear rule
+
+    resumed = DigitsMLP(batch_size=16, n=128, optimizer="sgd")
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([BAND])], interval=0.05)
+    trainer = pl.Trainer(callbacks=[cb], **trainer_kwargs(max_epochs=2))
+    trainer.fit(resumed, ckpt_path=path)
+    assert Counter(resumed.batch_sizes) == {(1, 32): 4}  # the loader of epoch 1 already uses the saved B
+    assert cb.history[0]["epoch"] == 0 and cb.history[-1]["batch_size"] == 32
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(lr_saved)

@@ -100,10 +100,9 @@ class ShardServer:
         self.stop_flag = False
         self.error: str | None = None
         # sync step in progress
-        self._sync_pushes: dict[int, tuple[float, torch.Tensor, torch.Tensor]] = {}
+        self._sync_pushes: dict[int, tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._sync_combined: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None
         self._norms: dict[int, dict[int, float]] = {}
-        self._sync_hyper = torch.zeros(0, dtype=torch.float64)
         # (worker, its clock, min live clock) at each ssp release; the latest ones only (for tests/diagnosis)
         self.ssp_trace: deque[tuple[int, int, int]] = deque(maxlen=SSP_TRACE_LEN)
         # parked replies: (worker, deliver(snapshot, version, staleness))
@@ -143,8 +142,7 @@ class ShardServer:
         if self.cfg.mode == "sync":
             if worker in self._sync_pushes:
                 raise PSProtocolError(f"shard {self.shard}: worker {worker} pushed twice in step {self.version}")
-            self._sync_pushes[worker] = (num_samples, grads.clone(), bufs.clone())
-            self._sync_hyper = hyper.clone()
+            self._sync_pushes[worker] = (num_samples, grads.clone(), bufs.clone(), hyper.clone())
             self.clock[worker] += 1
             if len(self._sync_pushes) == self.num_workers:
                 self._combine_sync()
@@ -180,13 +178,13 @@ class ShardServer:
             bufs = torch.zeros(self.n_total - self.n_param, dtype=torch.float64)
             bmax = torch.full_like(bufs, -math.inf)
             for w in order:
-                n, g, b = self._sync_pushes[w]
+                n, g, b, _ = self._sync_pushes[w]
                 grads.add_(g, alpha=n)
                 bufs.add_(b.double(), alpha=n)
                 bmax = torch.maximum(bmax, b.double())
             grads.div_(total)
             bufs = torch.where(self._buffer_int, bmax, bufs / total).to(torch.float32)
-        hyper = self._sync_hyper
+        hyper = self._sync_pushes[order[0]][3]  # the lowest rank's hyperparameters: independent of arrival order
         max_norm = float(hyper[0])
         self._sync_pushes = {}
         self._sync_combined = (grads, bufs, hyper, max_norm)

@@ -248,8 +248,10 @@ def nothing_lost(rank: int, world: int, rounds: int, pushes: int) -> dict[str, A
         for p in model.parameters():
             p.copy_(torch.randint(-50, 50, p.shape).float())
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    client = start(model, opt, mode="async", staleness_scaling="none", timeout=30.0, max_shard_bytes=256)
+    # the servers start from rank 0's values (identical on every rank here); not what pull_initial returns:
+    # in async mode another worker's first pushes may already have landed by then
     initial = _params(model)
+    client = start(model, opt, mode="async", staleness_scaling="none", timeout=30.0, max_shard_bytes=256)
     sent = [torch.zeros_like(p) for p in initial]
     rng = random.Random(rank * 7919 + 1)
     gen = torch.Generator().manual_seed(rank + 10)

@@ -106,6 +106,26 @@ def render(snap: dict[str, Any]) -> Any:
     return table
 
 
+def render_plain(snap: dict[str, Any]) -> str:
+    """The same table as :func:`render` in plain text, for installs without rich (it ships in ``[demo]``)."""
+    lines = [f"ivyplug devices  {time.strftime('%H:%M:%S')}"]
+    for name, info in snap.items():
+        if not info["available"]:
+            lines.append(f"{name:<18} unavailable: {info['reason']}")
+            continue
+        if not info["readings"]:
+            lines.append(f"{name:<18} (no readings)")
+        for i, (key, value) in enumerate(sorted(info["readings"].items())):
+            lines.append(f"{name if i == 0 else '':<18} {key:<24} {format_value(key, value):>12}")
+    return "\n".join(lines)
+
+
+def _has_rich() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("rich") is not None
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         raise SystemExit("ivyplug devices: --interval must be > 0")
@@ -117,6 +137,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snapshot(probes, args.per_core), indent=2))
         return 0
+    if not _has_rich():
+        try:
+            shown = 0
+            while True:
+                print(render_plain(snapshot(probes, args.per_core)), flush=True)
+                shown += 1
+                if args.once or (args.count is not None and shown >= args.count):
+                    return 0
+                time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            for _, probe, _ in probes:
+                if probe is not None:
+                    probe.close()
     from rich.console import Console
 
     console = Console()

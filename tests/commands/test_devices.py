@@ -40,3 +40,14 @@ def test_value_formatting() -> None:
     assert format_value("gpu1_power", 61.25) == "61.2 W"
     assert format_value("gpu0_temp", 70.0) == "70 °C"
     assert format_value("oom_count", 2.0) == "2"
+
+
+def test_plain_text_without_rich(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from ivyplug.cli import main
+    from ivyplug.commands import devices
+
+    monkeypatch.setattr(devices, "_has_rich", lambda: False)
+    assert main(["devices", "--count", "2", "--interval", "0.05", "--probe", "psutil"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("ivyplug devices") == 2
+    assert "cpu_util" in text and "%" in text

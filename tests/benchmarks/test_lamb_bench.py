@@ -63,6 +63,7 @@ def test_bad_sizes_and_threads_raise() -> None:
         bench.run(quick=True, sizes={"x": (10, 2)}, threads=0)
 
 
+@pytest.mark.filterwarnings("ignore:'ivyplug.benchmarks.lamb' found in sys.modules:RuntimeWarning")
 def test_child_entry_point_and_allocator_environment(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,6 +5,8 @@ start. It only puts a small finder at the front of ``sys.meta_path``; when (and 
 ``lightning.pytorch.strategies`` is imported, the finder wraps that module's loader so the
 ivyplug names are registered in its ``StrategyRegistry`` right after it executes. Nothing
 else is imported at start-up. ``IVYPLUG_DISABLE_LIGHTNING_AUTOREGISTER=1`` switches it off.
+The old package name ``pytorch_lightning`` has a separate registry and class tree that
+``IvyPSStrategy`` does not belong to; there the names raise an error saying what to import.
 
 This module must stay import-light: it imports only ``os`` and ``sys``.
 """
@@ -17,6 +19,9 @@ from typing import Any
 
 DISABLE_ENV = "IVYPLUG_DISABLE_LIGHTNING_AUTOREGISTER"
 TARGET_MODULE = "lightning.pytorch.strategies"
+#: The old package name has its own registry and class tree: the names there explain what to import instead.
+LEGACY_MODULE = "pytorch_lightning.strategies"
+TARGETS = (TARGET_MODULE, LEGACY_MODULE)
 
 
 def disabled() -> bool:
@@ -26,9 +31,12 @@ def disabled() -> bool:
 def _register(module: Any) -> None:
     """Register into the freshly executed strategies module; never breaks the user's import."""
     try:
-        from ivyplug.integrations.lightning.registration import register_strategies
+        from ivyplug.integrations.lightning import registration
 
-        register_strategies(module.StrategyRegistry)
+        if module.__name__ == LEGACY_MODULE:
+            registration.register_legacy_pointers(module.StrategyRegistry)
+        else:
+            registration.register_strategies(module.StrategyRegistry)
     except Exception as exc:  # a broken ivyplug must not make lightning unimportable
         import warnings
 
@@ -60,7 +68,7 @@ class StrategyRegistryHook:
     """A meta-path finder that only ever reacts to ``lightning.pytorch.strategies``."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != TARGET_MODULE:
+        if fullname not in TARGETS:
             return None
         for finder in sys.meta_path:
             if finder is self or isinstance(finder, StrategyRegistryHook):
@@ -82,9 +90,11 @@ def install() -> bool:
     """Install the hook once (or register at once if Lightning's strategies are already imported)."""
     if disabled():
         return False
-    module = sys.modules.get(TARGET_MODULE)
-    if module is not None and hasattr(module, "StrategyRegistry"):
-        _register(module)
+    for name in TARGETS:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "StrategyRegistry"):
+            _register(module)
+    if all(name in sys.modules for name in TARGETS):
         return True
     if not any(isinstance(f, StrategyRegistryHook) for f in sys.meta_path):
         sys.meta_path.insert(0, StrategyRegistryHook())

@@ -88,3 +88,30 @@ def register_with_lightning() -> list[str]:
     from lightning.pytorch.strategies import StrategyRegistry
 
     return register_strategies(StrategyRegistry)
+
+
+class LegacyPackagePointer:
+    """Registered under the ivyplug names in ``pytorch_lightning``'s registry: explains what to use instead."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"strategy {self.name!r} is an ivyplug strategy for the `lightning` package; the old "
+            "`pytorch_lightning` package has a separate Trainer and class tree. Use "
+            "`from lightning.pytorch import Trainer` (pip install lightning)."
+        )
+
+
+def register_legacy_pointers(strategy_registry: Any) -> list[str]:
+    """Make the ivyplug names in ``pytorch_lightning``'s registry fail with a clear message, not a KeyError."""
+    registered: list[str] = []
+    for factory in FACTORIES:
+        if factory.name in strategy_registry:
+            continue
+        strategy_registry.register(
+            factory.name, LegacyPackagePointer(factory.name), description=f"{factory.description} (lightning only)"
+        )
+        registered.append(factory.name)
+    return registered

@@ -281,12 +281,21 @@ class IvyPSStrategy(DDPStrategy):
 
         epoch_loop.advance = advance
 
+    def _remove_patches(self, trainer: Any) -> None:
+        """Undo the per-fit instance patches (the Trainer may run validate/test/another fit afterwards)."""
+        vars(self.precision_plugin).pop("clip_gradients", None)
+        if trainer is not None:
+            epoch_loop = trainer.fit_loop.epoch_loop
+            vars(epoch_loop).pop("advance", None)
+            vars(epoch_loop).pop("_broadcast_sigterm_tensor", None)
+            if self._metrics_logger is not None and self._metrics_logger in trainer.callbacks:
+                trainer.callbacks.remove(self._metrics_logger)
+        self._metrics_logger = None
+        self._in_train_batch = False
+
     def teardown(self) -> None:
         client, self._client = self._client, None
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if self._metrics_logger is not None and trainer is not None and self._metrics_logger in trainer.callbacks:
-            trainer.callbacks.remove(self._metrics_logger)
-        self._metrics_logger = None
+        self._remove_patches(getattr(self.lightning_module, "_trainer", None))
         try:
             if client is not None:
                 client.close()

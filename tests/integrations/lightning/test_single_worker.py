@@ -85,6 +85,10 @@ def test_bf16_fit_then_validate_test_predict_and_weights_only_refusal(tmp_path: 
     assert "ivy/rank0/pushes" in trainer.callback_metrics
     assert float(trainer.callback_metrics["ivy/rank0/pushes"]) == 8.0
 
+    loop = trainer.fit_loop.epoch_loop
+    assert "advance" not in vars(loop) and "_broadcast_sigterm_tensor" not in vars(loop)  # patches undone
+    assert "clip_gradients" not in vars(trainer.strategy.precision_plugin)
+
     (val,) = trainer.validate(model, verbose=False)
     (test,) = trainer.test(model, verbose=False)
     predictions = trainer.predict(model)

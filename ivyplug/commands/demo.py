@@ -34,7 +34,7 @@ HELP = "the main job: DDP vs ivy_ps (+ LAMB, IvyLoadBalancer) on digits with one
 JOB_MODULE = "ivyplug.integrations.lightning.demo_job"
 #: Run names, in the order they train (keys of ``demo_job.RUNS``; kept here so importing this stays cheap).
 RUN_NAMES = ("ddp", "ivy_ps_sync_lb", "ivy_ps_async")
-PROGRESS_PREFIX = "@@demo "  # same as demo_job.PROGRESS_PREFIX (the quick-run test sees no progress otherwise)
+PROGRESS_PREFIX = "@@demo "  # same as demo_job.PROGRESS_PREFIX (a test checks they agree)
 WORKERS = 2
 #: (epochs, training-set repeats) by default and with --quick.
 DEFAULT_EPOCHS, DEFAULT_REPEAT = 10, 4

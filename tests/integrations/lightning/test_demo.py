@@ -108,7 +108,7 @@ def test_a_job_past_its_timeout_is_stopped_with_a_clear_error(tmp_path: Path) ->
 
 
 def test_command_module_imports_no_framework() -> None:
-    """The run names and progress prefix it shares with the job are checked by the quick run above."""
+    """``ivyplug --help`` imports every command module: this one must stay cheap, and agree with the job."""
     code = (
         "import sys, ivyplug.commands.demo; "
         "print(sorted(m for m in ('torch', 'lightning', 'matplotlib', 'sklearn') if m in sys.modules))"

@@ -27,12 +27,12 @@ BATCH = 32
 
 
 def _sgd_with_step_lr(m: Any) -> tuple[torch.optim.Optimizer, Any]:
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9)
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
 def _model() -> DigitsMLP:
-    return DigitsMLP(hidden=64, lr=0.1, optimizer="sgd", step_lr=True, batch_size=BATCH)
+    return DigitsMLP(hidden=128, lr=0.2, optimizer="sgd", step_lr=True, batch_size=BATCH)
 
 
 @dataclass

@@ -29,7 +29,12 @@ def test_example_quick_converges_on_async_ps(tmp_path: Path) -> None:
         start_new_session=True,  # its worker processes share the session: one killpg ends them all
     )
     try:
-        out, _ = proc.communicate(timeout=270)
+        try:
+            out, _ = proc.communicate(timeout=270)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=30)
+            pytest.fail(f"the example hung; its output:\n{out[-4000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1, help="nodes (e.g. two torchrun invocations)")
     parser.add_argument("--slow-ms", type=float, default=5.0, help="extra milliseconds per step on worker 1")
     args = parser.parse_args()
-    epochs = args.epochs or (8 if args.quick else 15)
+    epochs = args.epochs or (10 if args.quick else 15)
 
     pl.seed_everything(0, verbose=False)
     train, val = digits()

@@ -45,4 +45,4 @@ def test_example_quick_converges_on_async_ps(tmp_path: Path) -> None:
     assert float(match.group(1)) >= 0.95
     pushes = {int(r): float(v) for r, v in re.findall(r"ivy/rank(\d)/pushes\s+([0-9.]+)", out)}
     assert set(pushes) == {0, 1} and min(pushes.values()) > 0
-    assert pushes[0] + pushes[1] == 8 * 45  # 1440 samples / 32 per batch, 8 epochs: each batch once
+    assert pushes[0] + pushes[1] == 10 * 45  # 1440 samples / 32 per batch, 10 epochs: each batch once

@@ -352,6 +352,9 @@ class ShardServer:
             self.buffers.copy_(state["buffers"])
             if self.optimizer is not None and state["optimizer"] is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
+                # torch's load_state_dict builds new param-group dicts: re-point the user-group map at them,
+                # or the hyperparameters carried by later pushes (LR schedulers) would update stale dicts.
+                self.groups = {g: self.optimizer.param_groups[i] for i, g in enumerate(sorted(self.groups))}
             self.version = int(state["version"])
             self.clock = [int(c) for c in state["clock"]]
             self.seen = [int(c) for c in state["seen"]]

@@ -237,3 +237,21 @@ def test_bad_arguments_are_refused() -> None:
         client.step(0)
     with pytest.raises(ValueError, match="max_grad_norm"):
         client.step(2, max_grad_norm=-1.0)
+
+
+def test_hyperparameters_still_follow_the_worker_optimizer_after_load_state_dict() -> None:
+    """A resumed server keeps taking the LR each push carries (torch's load_state_dict replaces group dicts)."""
+    model = mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    client = start(model, opt, mode="sync")
+    x, y = batch(0, 4)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    client.step(4)
+    sd = client.state_dict()
+    client.load_state_dict(sd)
+    opt.param_groups[0]["lr"] = 0.05  # what a scheduler does after the resume
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    client.step(4)
+    assert client.server is not None and client.server.optimizer is not None
+    assert [g["lr"] for g in client.server.optimizer.param_groups] == [0.05]

@@ -27,13 +27,9 @@ def test_quick_run_reports_every_contender_for_both_allocators(monkeypatch: pyte
             monkeypatch.delenv(key)
         for key, value in extra_env.items():
             monkeypatch.setenv(key, value)
-        import torch
-
-        threads = torch.get_num_threads()  # _child sets the thread count of its (normally fresh) process
         try:
             return json.loads(json.dumps(bench._child(config)))
         finally:
-            torch.set_num_threads(threads)
             for key in extra_env:
                 monkeypatch.delenv(key)
 

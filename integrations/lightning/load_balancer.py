@@ -44,7 +44,7 @@ from ivyplug.load.lr_scaling import check_rule, lr_factor, resolve_rule
 from ivyplug.load.observation import LoadObservation, combine_observations, observation_from_summary
 from ivyplug.load.probe import Probe
 from ivyplug.load.probes import default_probes
-from ivyplug.load.sampler import Sampler
+from ivyplug.load.sampler import Sampler, Stat
 from ivyplug.load.shares import measured_speeds, smooth_speeds, worker_shares
 from ivyplug.load.torch_probe import TorchAllocatorProbe
 
@@ -346,7 +346,8 @@ class IvyLoadBalancer(Callback):
         if self._sampler is not None:
             latest = self._sampler.latest()
             metrics.update({f"ivy/{k}": v for k, v in latest.items() if not _is_per_core(k)})
-            stats = self._sampler.summary()
+            # an epoch shorter than the sampling interval has an empty window yet: use the latest reading
+            stats = self._sampler.summary() or {k: Stat(v, v, v, v, 1) for k, v in latest.items()}
             obs = observation_from_summary(stats, self._device_index, self._epoch_ooms)
             if obs.utilization is not None:
                 metrics["ivy/utilization"] = obs.utilization

@@ -13,15 +13,11 @@ on a shared machine, a load above the core count inflates every number.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
+
+from ivyplug.benchmarks.job_runner import run_job
 
 DESCRIPTION = "IvyLoadBalancer shares vs a 3x slower worker (ddp, ivy_ps sync) and the callback's overhead"
 
@@ -32,27 +28,9 @@ TARGET_ACC_POINTS = 1.0
 
 
 def _run_job(strategy: str, balancer: bool, slowdown: float, epochs: int, repeat: int, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "ivyplug.benchmarks.balance_job", "--strategy", strategy]
-        cmd += ["--balancer", str(int(balancer)), "--slowdown", str(slowdown), "--epochs", str(epochs)]
-        cmd += ["--repeat", str(repeat), "--out", str(out)]
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-        load_before = os.getloadavg()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)  # fmt: skip
-        try:
-            log, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"benchmark job {cmd} did not finish within {timeout} s") from exc
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"benchmark job {cmd} failed ({proc.returncode}):\n{log[-3000:]}")
-        result: dict[str, Any] = json.loads(out.read_text())
-    result["loadavg_before"] = load_before
+    args = ["--strategy", strategy, "--balancer", str(int(balancer)), "--slowdown", str(slowdown)]
+    args += ["--epochs", str(epochs), "--repeat", str(repeat)]
+    result = run_job("ivyplug.benchmarks.balance_job", args, timeout)
     times = result["epoch_times"]
     result["epoch_time"] = statistics.median(times[1:] if len(times) > 1 else times)
     result["overhead"] = result["hook_seconds"] / sum(times) if result["balancer"] else None

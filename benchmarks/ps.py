@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ivyplug.benchmarks.job_runner import run_job
 
 DESCRIPTION = "PS vs DDP (sync, async; with a 3x slower worker) and PS push/pull vs gloo loopback bandwidth"
 
@@ -39,28 +38,8 @@ TARGET_ACC_POINTS = 1.0
 
 
 def _run_job(strategy: str, slowdown: float, epochs: int, repeat: int, timeout: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "ivyplug.benchmarks.ps_job", "--strategy", strategy, "--slowdown", str(slowdown)]
-        cmd += ["--epochs", str(epochs), "--repeat", str(repeat), "--out", str(out)]
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-        load_before = os.getloadavg()
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-        )
-        try:
-            log, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"benchmark job {cmd} did not finish within {timeout} s") from exc
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"benchmark job {cmd} failed ({proc.returncode}):\n{log[-3000:]}")
-        result: dict[str, Any] = json.loads(out.read_text())
-    result["loadavg_before"] = load_before
-    result["loadavg_after"] = os.getloadavg()
+    args = ["--strategy", strategy, "--slowdown", str(slowdown), "--epochs", str(epochs), "--repeat", str(repeat)]
+    result = run_job("ivyplug.benchmarks.ps_job", args, timeout)
     times = result["epoch_times"]
     result["epoch_time"] = statistics.median(times[1:] if len(times) > 1 else times)
     result["samples_per_s"] = result["train_samples"] / result["epoch_time"]

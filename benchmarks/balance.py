@@ -34,6 +34,7 @@ def _run_job(strategy: str, balancer: bool, slowdown: float, epochs: int, repeat
     times = result["epoch_times"]
     result["epoch_time"] = statistics.median(times[1:] if len(times) > 1 else times)
     result["overhead"] = result["hook_seconds"] / sum(times) if result["balancer"] else None
+    result["overhead_by_hook"] = {k: v / sum(times) for k, v in result.get("hook_breakdown", {}).items()}
     return result
 
 
@@ -80,13 +81,15 @@ def format_table(results: dict[str, Any]) -> str:
         f"ivyplug bench balance (epochs={results['epochs']}, data x{results['repeat']}, slow worker "
         f"{results['slowdown']:g}x{', QUICK: not a measurement' if results['quick'] else ''})",
         f"{'strategy':<12} {'slow':>5} {'balancer':>8} {'epoch s':>8} {'val acc':>8} {'overhead':>9} "
-        f"{'load':>6}  shares per epoch",
+        f"{'per batch':>9} {'load':>6}  shares per epoch",
     ]
     for r in results["runs"]:
         overhead = f"{100 * r['overhead']:.2f}%" if r["overhead"] is not None else "-"
+        per_batch = r.get("overhead_by_hook", {}).get("batch")
+        batch_cell = f"{100 * per_batch:.3f}%" if per_batch is not None else "-"
         lines.append(
             f"{r['strategy']:<12} {r['slowdown']:>5g} {('yes' if r['balancer'] else 'no'):>8} {r['epoch_time']:>8.3f} "
-            f"{r['val_acc']:>8.3f} {overhead:>9} {r['loadavg_before'][0]:>6.1f}  {r['shares']}"
+            f"{r['val_acc']:>8.3f} {overhead:>9} {batch_cell:>9} {r['loadavg_before'][0]:>6.1f}  {r['shares']}"
         )
     for strategy, s in results["summary"].items():
         parts = []
@@ -98,4 +101,9 @@ def format_table(results: dict[str, Any]) -> str:
         if "fast_ratio" in s:
             parts.append(f"no slow worker: with/without {s['fast_ratio']:.2f}")
         lines.append(f"{strategy}: " + "; ".join(parts))
+    lines.append(
+        "overhead: all of the callback's time on the training thread (per-batch hooks, epoch start/end with the "
+        "gather and broadcast of the decision, loader rebuild) / summed train-epoch time; per batch: the "
+        "per-batch hooks alone"
+    )
     return "\n".join(lines)

@@ -130,7 +130,11 @@ def main() -> None:
             "epoch_times": timer.times,
             "val_acc": accuracy,
             "hook_seconds": balancer.hook_seconds if balancer else 0.0,
+            "hook_breakdown": dict(balancer.hook_breakdown) if balancer else {},
+            "steps": balancer.steps if balancer else None,
             "shares": [h["next_shares"] for h in balancer.history] if balancer else [],
+            "target_shares": [h["target_shares"] for h in balancer.history] if balancer else [],
+            "step_models": [h["step_models"] for h in balancer.history] if balancer else [],
             "loadavg": os.getloadavg(),
         }
         args.out.write_text(json.dumps(result))

@@ -11,8 +11,10 @@ How it works (all decisions at epoch boundaries, agreed by every rank):
   ``reload_dataloaders_every_n_epochs`` is set to 1 so each epoch gets the current plan. Iterable data
   sets, custom samplers and DataLoader subclasses get a warning and monitoring only.
 - At each epoch end every rank reports its own compute time (batch start to its last gradient
-  bucket, i.e. without waiting for others) and load; rank 0 runs the batch-size policy and LB-BSP
-  shares b_i = B·v_i/Σv_j and broadcasts the decision. The learning rate is rescaled on every change
+  bucket, i.e. without waiting for others) and load; rank 0 runs the batch-size policy, fits each
+  rank's step time t_i(b) = a_i + c_i·b from its (share, mean step time) of recent epochs, picks the
+  integer shares that minimise the slowest rank's predicted step time, takes a damped step towards
+  them (:mod:`ivyplug.load.share_model`) and broadcasts the decision. The learning rate is rescaled on every change
   of B (``lr_scaling="auto"``: √k for Adam-family/LAMB, k for SGD).
 - Under ``ddp`` a communication hook registered in ``on_fit_start`` multiplies each rank's gradient
   by b_i/B and all-reduces with SUM (a user's own ``ddp_comm_hook`` is composed, or refused with
@@ -45,7 +47,8 @@ from ivyplug.load.observation import LoadObservation, combine_observations, obse
 from ivyplug.load.probe import Probe
 from ivyplug.load.probes import default_probes
 from ivyplug.load.sampler import Sampler, Stat
-from ivyplug.load.shares import measured_speeds, smooth_speeds, worker_shares
+from ivyplug.load.share_model import next_shares
+from ivyplug.load.shares import worker_shares
 from ivyplug.load.torch_probe import TorchAllocatorProbe
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,7 @@ class IvyLoadBalancer(Callback):
         min_batch_size, max_batch_size: bounds for B (defaults: the world size, and 8 × the initial B).
         policy: a full :class:`~ivyplug.load.BatchSizePolicy` (overrides the two bounds).
         balance_shares: split B across ranks by measured throughput (multi-process only).
-        speed_smoothing: weight of the previous speed estimate in [0, 1) (0: last epoch only).
+        share_window: how many of a rank's most recent distinct shares its step-time fit uses (>= 2).
         lr_scaling: ``"auto"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
         comm_hook: ``"compose"`` a user's ``ddp_comm_hook`` with the share weighting, or ``"refuse"`` it.
         oom_recovery: split a batch that runs out of memory into micro-batches.
@@ -86,7 +89,7 @@ class IvyLoadBalancer(Callback):
         max_batch_size: int | None = None,
         policy: BatchSizePolicy | None = None,
         balance_shares: bool = True,
-        speed_smoothing: float = 0.0,
+        share_window: int = 4,
         lr_scaling: str = "auto",
         comm_hook: str = "compose",
         oom_recovery: bool = True,
@@ -105,8 +108,8 @@ class IvyLoadBalancer(Callback):
             raise ValueError(f"max_batch_size ({max_batch_size}) must be >= min_batch_size ({min_batch_size})")
         if policy is not None and not isinstance(policy, BatchSizePolicy):
             raise ValueError(f"policy must be an ivyplug.load.BatchSizePolicy, got {policy!r}")
-        if not (isinstance(speed_smoothing, (int, float)) and 0.0 <= speed_smoothing < 1.0):
-            raise ValueError(f"speed_smoothing must be in [0, 1), got {speed_smoothing!r}")
+        if isinstance(share_window, bool) or not isinstance(share_window, int) or share_window < 2:
+            raise ValueError(f"share_window must be an int >= 2 (a line needs two shares), got {share_window!r}")
         check_rule(lr_scaling)
         if comm_hook not in ("compose", "refuse"):
             raise ValueError(f"comm_hook must be 'compose' or 'refuse', got {comm_hook!r}")
@@ -123,7 +126,7 @@ class IvyLoadBalancer(Callback):
         self.max_batch_size = max_batch_size
         self.policy = policy
         self.balance_shares = balance_shares
-        self.speed_smoothing = float(speed_smoothing)
+        self.share_window = share_window
         self.lr_scaling = lr_scaling
         self.comm_hook = comm_hook
         self.oom_recovery = oom_recovery
@@ -138,13 +141,19 @@ class IvyLoadBalancer(Callback):
         self.policy_state = PolicyState()
         self.lr_factor = 1.0
         self.oom_count = 0
-        self.speeds: list[float] | None = None
+        # per rank: (mean samples per step, mean compute seconds per step) of every balanced epoch, oldest first
+        self.step_observations: list[list[tuple[float, float]]] = []
+        self.previous_shares: list[int] | None = None  # the shares before the current ones (damping)
+        self.share_gain = 1.0  # fraction of the way to the target share taken per epoch (damping)
         self.history: list[dict[str, Any]] = []
         self.monitoring_only: str | None = None
         self.metrics: dict[str, float] = {}  # the latest value of every ivy/ metric this callback logged
 
         # runtime
-        self.hook_seconds = 0.0  # wall time spent in this callback's hooks (overhead measurement)
+        # wall time spent in this callback's hooks and loader work on the training thread (overhead measurement):
+        # per batch, epoch start, epoch end (the gather/broadcast of the decision included), loader rebuild
+        self.hook_breakdown: dict[str, float] = {"batch": 0.0, "epoch_start": 0.0, "epoch_end": 0.0, "loader": 0.0}
+        self._log_every = 50
         self.steps = 0
         self._sampler: Sampler | None = None
         self._share_sampler: ShareBatchSampler | None = None
@@ -160,11 +169,17 @@ class IvyLoadBalancer(Callback):
         self._trainer_ref: pl.Trainer | None = None
         self._reset_epoch()
 
+    @property
+    def hook_seconds(self) -> float:
+        """All wall time this callback spent on the training thread (the sum of ``hook_breakdown``)."""
+        return sum(self.hook_breakdown.values())
+
     # ------------------------------------------------------------------ setup / teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._trainer_ref = trainer
+        self._log_every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 50) or 50
         self._world = trainer.world_size
         self._rank = trainer.global_rank
         probes = self.probes() if callable(self.probes) else self.probes
@@ -247,6 +262,13 @@ class IvyLoadBalancer(Callback):
     def _process_dataloader(self, dataloader: object) -> object:
         assert self._orig_process is not None
         dataloader = self._orig_process(dataloader)
+        start = time.perf_counter()
+        try:
+            return self._share_loader(dataloader)
+        finally:
+            self.hook_breakdown["loader"] += time.perf_counter() - start
+
+    def _share_loader(self, dataloader: object) -> object:
         trainer = self._trainer_of()
         if trainer is None or not trainer.training or self.monitoring_only is not None:
             return dataloader
@@ -301,29 +323,34 @@ class IvyLoadBalancer(Callback):
             self._sampler.reset_window()
         if self._oom is not None:
             self._oom.new_epoch()
-        self.hook_seconds += time.perf_counter() - start
+        self.hook_breakdown["epoch_start"] += time.perf_counter() - start
 
+    # The three per-batch hooks below only read the clock and index precomputed lists: no tensor op, no
+    # device query, no logging (that happens every log_every_n_steps). Their time is summed into
+    # hook_breakdown["batch"], on_after_backward's included.
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         start = time.perf_counter()
         sampler = self._share_sampler
-        if sampler is not None and batch_idx < len(sampler):
-            self._step_samples = sampler.local_size(batch_idx)
-            if self._hook_state is not None:
-                self._hook_state.weight = sampler.weight(batch_idx)
+        hook_state = self._hook_state
+        if sampler is not None and batch_idx < sampler.steps:
+            self._step_samples = sampler.local_sizes[batch_idx]
+            if hook_state is not None:
+                hook_state.weight = sampler.weights[batch_idx]
         else:
             self._step_samples = _batch_len(batch)
-            if self._hook_state is not None:
-                self._hook_state.weight = 1.0 / self._world
-        if self._hook_state is not None:
-            self._hook_state.last_bucket_time = None
+            if hook_state is not None:
+                hook_state.weight = 1.0 / self._world
+        if hook_state is not None:
+            hook_state.last_bucket_time = None
         self._t_backward = None
         self._t0 = time.perf_counter()
-        self.hook_seconds += self._t0 - start
+        self.hook_breakdown["batch"] += self._t0 - start
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._t_backward = time.perf_counter()
+        self._t_backward = now = time.perf_counter()
+        self.hook_breakdown["batch"] += time.perf_counter() - now
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -336,10 +363,9 @@ class IvyLoadBalancer(Callback):
         self._epoch_samples += self._step_samples
         self._epoch_steps += 1
         self.steps += 1
-        every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 50) or 50
-        if self.steps % every == 0:
+        if self.steps % self._log_every == 0:
             self._log_step()
-        self.hook_seconds += time.perf_counter() - now
+        self.hook_breakdown["batch"] += time.perf_counter() - now
 
     def _log_step(self) -> None:
         metrics: dict[str, float] = {}
@@ -386,14 +412,21 @@ class IvyLoadBalancer(Callback):
             observations = [LoadObservation(r["utilization"], r["memory_fraction"], r["oom_count"]) for r in records]
             decision = self._policy().decide(old, combine_observations(observations), self.policy_state)
             new, state, reason = decision.batch_size, decision.state, decision.reason
-        speeds = self.speeds
         shares = list(self.shares)
+        history: list[list[tuple[float, float]]] = [list(h) for h in self.step_observations]
+        previous, gain, target, models = self.previous_shares, self.share_gain, None, None
         if self._world > 1 and self.monitoring_only is None:
-            measured = [(r["samples"], r["compute_time"]) for r in records]
-            if self.balance_shares and all(n > 0 and t > 0 for n, t in measured):
-                current = measured_speeds([n for n, _ in measured], [t for _, t in measured])
-                speeds = smooth_speeds(self.speeds, current, self.speed_smoothing)
-                shares = worker_shares(new, speeds)
+            measured = all(r["samples"] > 0 and r["compute_time"] > 0 and r["steps"] > 0 for r in records)
+            if self.balance_shares and measured:
+                if len(history) != self._world:
+                    history = [[] for _ in range(self._world)]
+                for r in records:  # the coordinate is the mean local batch: partial last steps are counted as run
+                    history[r["rank"]].append((r["samples"] / r["steps"], r["compute_time"] / r["steps"]))
+                    del history[r["rank"]][: -4 * self.share_window]  # bounded history
+                step = next_shares(new, self.shares, previous, history, gain, window=self.share_window)
+                shares, gain, target = step.shares, step.gain, step.target
+                models = [[m.intercept, m.slope] for m in step.models]
+                previous = list(self.shares)
             elif new != old:
                 shares = worker_shares(new, [float(s) for s in self.shares])
         else:
@@ -403,7 +436,11 @@ class IvyLoadBalancer(Callback):
             "shares": shares,
             "policy_state": state.to_dict(),
             "reason": reason,
-            "speeds": speeds,
+            "step_observations": history,
+            "previous_shares": previous,
+            "share_gain": gain,
+            "target_shares": target,
+            "step_models": models,  # per rank [a_i seconds per step, c_i seconds per sample]
         }
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -411,7 +448,7 @@ class IvyLoadBalancer(Callback):
         try:
             self._epoch_end(trainer, pl_module)
         finally:
-            self.hook_seconds += time.perf_counter() - start
+            self.hook_breakdown["epoch_end"] += time.perf_counter() - start
 
     def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sampler is None or self.batch_size is None or self.shares is None:
@@ -437,7 +474,9 @@ class IvyLoadBalancer(Callback):
         self.batch_size = int(decision["batch_size"])
         self.shares = [int(s) for s in decision["shares"]]
         self.policy_state = PolicyState.from_dict(decision["policy_state"])
-        self.speeds = decision["speeds"]
+        self.step_observations = [[(float(b), float(t)) for b, t in h] for h in decision["step_observations"]]
+        self.previous_shares = decision["previous_shares"]
+        self.share_gain = float(decision["share_gain"])
         if self.batch_size != old:
             self._rescale_lr(trainer, old, self.batch_size)
         self.history.append(
@@ -446,6 +485,8 @@ class IvyLoadBalancer(Callback):
                 "batch_size": old,
                 "next_batch_size": self.batch_size,
                 "next_shares": list(self.shares),
+                "target_shares": decision["target_shares"],
+                "step_models": decision["step_models"],
                 "reason": decision["reason"],
                 "lr_factor": self.lr_factor,
                 "ranks": records,
@@ -495,7 +536,9 @@ class IvyLoadBalancer(Callback):
             "policy_state": self.policy_state.to_dict(),
             "lr_factor": self.lr_factor,
             "oom_count": self.oom_count,
-            "speeds": self.speeds,
+            "step_observations": self.step_observations,
+            "previous_shares": self.previous_shares,
+            "share_gain": self.share_gain,
             "history": self.history,
         }
 
@@ -505,7 +548,10 @@ class IvyLoadBalancer(Callback):
         self.policy_state = PolicyState.from_dict(state_dict["policy_state"])
         self.lr_factor = float(state_dict["lr_factor"])
         self.oom_count = int(state_dict["oom_count"])
-        self.speeds = state_dict["speeds"]
+        # checkpoints written before the step-time model (they held "speeds") start the fit afresh
+        self.step_observations = [[(float(b), float(t)) for b, t in h] for h in state_dict.get("step_observations", [])]
+        self.previous_shares = state_dict.get("previous_shares")
+        self.share_gain = float(state_dict.get("share_gain", 1.0))
         self.history = list(state_dict["history"])
 
 

@@ -27,7 +27,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from ivyplug.load.batch_plan import EpochPlan, plan_epoch, step_sizes
+from ivyplug.load.batch_plan import EpochPlan, plan_epoch
 
 
 @dataclass(frozen=True)
@@ -100,29 +100,41 @@ class ShareBatchSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
-        # validates the shares against the data now, on every rank, rather than mid-epoch
-        self.plan_sizes: EpochPlan = plan_epoch(range(num_samples), batch_size, self.shares, drop_last)
+        # the plan is built here, on every rank, so bad shares fail now rather than mid-epoch; the per-step
+        # sizes and weights are plain lists so the callback's per-batch hooks only index them
+        self._plan: EpochPlan = self._build_plan()
+        self._plan_epoch = epoch
+        self.steps = self._plan.steps
+        self.local_sizes: list[int] = [len(b) for b in self._plan.batches[rank]]
+        self.weights: list[float] = [n / size for n, size in zip(self.local_sizes, self._plan.step_sizes, strict=True)]
+
+    def _build_plan(self) -> EpochPlan:
+        order = epoch_order(self.num_samples, self.epoch, self.seed, self.shuffle)
+        return plan_epoch(order, self.batch_size, self.shares, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def plan(self) -> EpochPlan:
-        order = epoch_order(self.num_samples, self.epoch, self.seed, self.shuffle)
-        return plan_epoch(order, self.batch_size, self.shares, self.drop_last)
+        """This epoch's plan (built once per epoch: step sizes and weights do not depend on the epoch)."""
+        if self._plan_epoch != self.epoch:
+            self._plan = self._build_plan()
+            self._plan_epoch = self.epoch
+        return self._plan
 
     def local_size(self, step: int) -> int:
         """This rank's number of samples at ``step``."""
-        return len(self.plan_sizes.batches[self.rank][step])
+        return self.local_sizes[step]
 
     def weight(self, step: int) -> float:
         """This rank's share of the step's global batch (b_i / B for that step)."""
-        return self.plan_sizes.weight(self.rank, step)
+        return self.weights[step]
 
     def __iter__(self) -> Iterator[list[int]]:
         yield from self.plan().for_worker(self.rank)
 
     def __len__(self) -> int:
-        return len(step_sizes(self.num_samples, self.batch_size, self.drop_last))
+        return self.steps
 
 
 def rebuild_loader(loader: DataLoader, batch_sampler: ShareBatchSampler) -> DataLoader:

@@ -22,6 +22,7 @@ def test_summary_ratios_and_table(monkeypatch: pytest.MonkeyPatch) -> None:
             "epoch_time": epoch,
             "val_acc": 0.95 if balancer else 0.955,
             "overhead": 0.004 if balancer else None,
+            "overhead_by_hook": {"batch": 0.0005, "epoch_end": 0.0035} if balancer else {},
             "shares": [[256, 256], [380, 132]] if balancer else [],
             "loadavg_before": (1.0, 1.0, 1.0),
         }
@@ -35,6 +36,6 @@ def test_summary_ratios_and_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s["acc_points"] == pytest.approx(-0.5)
     assert s["overhead"] == 0.004 and s["fast_ratio"] == pytest.approx(1.01)
     table = balance.format_table(results)
-    assert "0.62 (target <= 0.7)" in table and "hook overhead 0.40%" in table
+    assert "0.62 (target <= 0.7)" in table and "hook overhead 0.40%" in table and "0.050%" in table
     quick = balance.run(quick=True)
     assert {(r["slowdown"], r["balancer"]) for r in quick["runs"]} == {(1.0, True), (3.0, False), (3.0, True)}

@@ -71,6 +71,13 @@ def test_idle_grows_then_memory_pressure_shrinks_with_lr_rescaled(optimizer: str
     restored.load_state_dict(saved)
     assert restored.batch_size == 32 and restored.shares == [32] and restored.lr_factor == pytest.approx(1.0)
     assert restored.policy_state == cb.policy_state and len(restored.history) == 3
+    # a checkpoint from before the step-time model (it held "speeds") still loads; the fit starts afresh
+    old = {k: v for k, v in saved.items() if k not in ("step_observations", "previous_shares", "share_gain")}
+    restored.load_state_dict({**old, "speeds": [1.0]})
+    assert restored.step_observations == [] and restored.share_gain == 1.0 and restored.batch_size == 32
+    # the overhead is all of the callback's time on the training thread, split by where it was spent
+    assert set(cb.hook_breakdown) == {"batch", "epoch_start", "epoch_end", "loader"}
+    assert all(v > 0 for v in cb.hook_breakdown.values()) and cb.hook_seconds == sum(cb.hook_breakdown.values())
 
 
 def test_same_permutation_as_lightning_distributed_sampler() -> None:
@@ -149,7 +156,7 @@ def test_bad_arguments_name_the_parameter() -> None:
         ({"comm_hook": "ignore"}, "comm_hook"),
         ({"min_batch_size": 8, "max_batch_size": 4}, "max_batch_size"),
         ({"max_oom_splits": 1}, "max_oom_splits"),
-        ({"speed_smoothing": 1.0}, "speed_smoothing"),
+        ({"share_window": 1}, "share_window"),
     ):
         with pytest.raises(ValueError, match=match):
             IvyLoadBalancer(**kwargs)  # type: ignore[arg-type]

@@ -45,6 +45,9 @@ def test_ranks_agree_and_the_slow_ranks_share_falls(ranks: list[dict]) -> None:
     assert r0["shares"] == r1["shares"] and sum(r0["shares"]) == 64
     first = r0["history"][0]["next_shares"]
     assert first[1] < 32 < first[0] and min(first) >= 1  # rank 1 sleeps per sample: smaller share
+    for h in r0["history"]:  # the affine step-time fit: rank 1's seconds per sample are the larger
+        (a0, c0), (a1, c1) = h["step_models"]
+        assert min(a0, a1) >= 0 and c1 > c0 > 0 and sum(h["target_shares"]) == 64
     times = [[rank["compute_time"] for rank in h["ranks"]] for h in r0["history"]]
     gap_first = abs(times[0][1] - times[0][0])
     gap_last = abs(times[-1][1] - times[-1][0])

@@ -69,7 +69,9 @@ class IvyPSStrategy(DDPStrategy):
             ``"none"`` applies it unscaled (async/ssp only).
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
-        max_shard_bytes: split tensors larger than this row-wise across servers (``None``: whole tensors).
+        max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)
+            splits only for element-wise optimizers (SGD, Adam, AdamW, ...), so shards balance and the update
+            is unchanged; LAMB keeps whole tensors (its trust ratio is per tensor). ``None``: whole tensors.
         process_group_timeout: timeout of the default process group's collectives (Lightning's ``timeout``).
         start_method: ``"popen"`` (default, like ``strategy="ddp"``), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -88,7 +90,7 @@ class IvyPSStrategy(DDPStrategy):
         num_servers: int = 0,
         staleness_scaling: str = "inverse",
         timeout: float = DEFAULT_TIMEOUT_S,
-        max_shard_bytes: int | None = None,
+        max_shard_bytes: int | str | None = "auto",
         *,
         process_group_timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",

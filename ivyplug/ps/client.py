@@ -13,7 +13,7 @@ import io
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -25,9 +25,9 @@ from ivyplug.ps.dedicated import connect, launch, ps_host
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.loop import ServerLoop
 from ivyplug.ps.messages import Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
-from ivyplug.ps.mirror import OptimizerSpec
+from ivyplug.ps.mirror import OptimizerSpec, is_elementwise
 from ivyplug.ps.server import ShardServer, load_state_bytes, piece_shape
-from ivyplug.ps.sharding import ShardPlan, TensorSpec, build_plan
+from ivyplug.ps.sharding import ShardPlan, TensorSpec, auto_max_shard_bytes, build_plan
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
 
 STATE_FORMAT = "ivyplug.ps/1"
@@ -130,7 +130,11 @@ class PSClient:
         self.spec = OptimizerSpec.from_optimizer(optimizer, [p for _, p in self.params])
         specs = [TensorSpec(n, tuple(p.shape), "param", True) for n, p in self.params]
         specs += [TensorSpec(n, tuple(b.shape), "buffer", b.is_floating_point()) for n, b in self.buffers]
-        self.plan = build_plan(specs, cfg.num_servers if self.dedicated else world_size, cfg.max_shard_bytes)
+        num_shards = cfg.num_servers if self.dedicated else world_size
+        if cfg.max_shard_bytes == "auto":  # resolved here, so dedicated servers receive a plain number
+            cfg = replace(cfg, max_shard_bytes=auto_max_shard_bytes(specs, num_shards, is_elementwise(self.spec.cls)))
+            self.cfg = cfg
+        self.plan = build_plan(specs, num_shards, cfg.max_shard_bytes)
         if world_size > 1:
             self.coll_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout))
             self._check_same_model()

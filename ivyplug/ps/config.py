@@ -21,7 +21,8 @@ class PSConfig:
     refused otherwise. ``staleness_scaling="inverse"`` scales a gradient of staleness tau >= 1 by 1/tau
     (async/ssp only). ``timeout`` bounds every wait on the PS, in seconds. ``num_servers=0`` co-locates one
     shard with each worker; ``k > 0`` runs k dedicated CPU server processes. ``max_shard_bytes`` splits
-    larger tensors row-wise.
+    larger tensors row-wise; ``"auto"`` (default) splits only where the optimizer's update is element-wise,
+    so that shards balance (sharding.py), ``None`` keeps whole tensors.
     """
 
     mode: str = "async"
@@ -29,7 +30,7 @@ class PSConfig:
     staleness_scaling: str = "inverse"
     timeout: float = DEFAULT_TIMEOUT_S
     num_servers: int = 0
-    max_shard_bytes: int | None = None
+    max_shard_bytes: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -57,12 +58,18 @@ class PSConfig:
             raise ValueError(f"PSConfig.timeout must be a finite number of seconds > 0, got {self.timeout!r}")
         if isinstance(self.num_servers, bool) or not isinstance(self.num_servers, int) or self.num_servers < 0:
             raise ValueError(f"PSConfig.num_servers must be an int >= 0, got {self.num_servers!r}")
-        if self.max_shard_bytes is not None and (
-            isinstance(self.max_shard_bytes, bool)
-            or not isinstance(self.max_shard_bytes, int)
-            or self.max_shard_bytes <= 0
+        if (
+            self.max_shard_bytes is not None
+            and self.max_shard_bytes != "auto"
+            and (
+                isinstance(self.max_shard_bytes, bool)
+                or not isinstance(self.max_shard_bytes, int)
+                or self.max_shard_bytes <= 0
+            )
         ):
-            raise ValueError(f"PSConfig.max_shard_bytes must be None or an int > 0, got {self.max_shard_bytes!r}")
+            raise ValueError(
+                f"PSConfig.max_shard_bytes must be 'auto', None or an int > 0, got {self.max_shard_bytes!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> PSConfig:

@@ -16,6 +16,21 @@ from typing import Any
 import torch
 
 
+def _elementwise_classes() -> tuple[type, ...]:
+    names = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+    return tuple(getattr(torch.optim, n) for n in names if hasattr(torch.optim, n))
+
+
+def is_elementwise(optimizer_cls: type) -> bool:
+    """Whether ``optimizer_cls``'s update of an element depends only on that element (and per-group scalars).
+
+    Only then can a tensor be split across servers without changing the update. Exact classes only: a
+    subclass may add layer-wise statistics, and LAMB (trust ratio per tensor) or Adafactor (row/column
+    factors) are not element-wise.
+    """
+    return optimizer_cls in _elementwise_classes()
+
+
 @dataclass(frozen=True)
 class _Slot:
     group: int

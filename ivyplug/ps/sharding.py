@@ -7,6 +7,15 @@ Every process computes the same plan from the same shapes; nothing random, nothi
 
 A parameter larger than ``max_shard_bytes`` is split along dim 0 into row blocks that are placed like
 separate tensors. Consequence for LAMB: the trust ratio is then computed per row block, not per layer.
+
+Whole tensors cannot balance a model whose largest tensor is bigger than the ideal shard (total / number
+of shards): a 64-1024-1024-10 MLP puts 93% of its bytes on one of two servers, and that server's optimizer
+step becomes every sync step's critical path. ``max_shard_bytes="auto"`` (the default) therefore splits
+when splitting cannot change the update: for optimizers whose update is element-wise within a param group
+(SGD, Adam, AdamW, ... — see ``ivyplug.ps.mirror.is_elementwise``), tensors larger than ideal/8 are cut
+into row blocks of at most ideal/8, which bounds the largest shard by 1.125 x ideal (greedy placement:
+the fullest shard was the emptiest when it got its last piece). For LAMB and any other optimizer
+(layer-wise statistics), "auto" keeps whole tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +26,9 @@ from dataclasses import dataclass, field
 
 #: Bytes per element of what the servers hold (fp32 master copies).
 MASTER_ITEMSIZE = 4
+
+#: ``max_shard_bytes="auto"`` cuts pieces of at most ideal / this (largest shard <= (1 + 1/8) x ideal).
+AUTO_PIECES_PER_SHARD = 8
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,7 @@ class ShardPlan:
 
     specs: tuple[TensorSpec, ...]
     num_shards: int
-    max_shard_bytes: int | None
+    max_shard_bytes: int | str | None
     pieces: list[list[Piece]] = field(default_factory=list)
 
     def shard_numel(self, shard: int) -> int:
@@ -128,6 +140,22 @@ class ShardPlan:
         return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
 
 
+def auto_max_shard_bytes(specs: Sequence[TensorSpec], num_shards: int, elementwise: bool) -> int | None:
+    """What ``max_shard_bytes="auto"`` means for these tensors: ``None`` (whole tensors) or a byte limit.
+
+    Whole tensors unless the optimizer's update is element-wise (``elementwise``), there are several
+    shards and some parameter is larger than ideal / ``AUTO_PIECES_PER_SHARD``; then that is the limit.
+    """
+    if not elementwise or num_shards < 2:
+        return None
+    total = sum(s.numel for s in specs) * MASTER_ITEMSIZE
+    limit = -(-total // (num_shards * AUTO_PIECES_PER_SHARD))  # ceil
+    largest = max((s.numel * MASTER_ITEMSIZE for s in specs if s.kind == "param"), default=0)
+    if limit <= 0 or largest <= limit:
+        return None
+    return limit
+
+
 def _items(specs: Sequence[TensorSpec], max_shard_bytes: int | None) -> list[tuple[int, str, int, int, int]]:
     """Unplaced pieces as (index, kind, row_start, row_end, numel)."""
     items: list[tuple[int, str, int, int, int]] = []
@@ -188,12 +216,21 @@ def _refine(sizes: list[int], assign: list[int], num_shards: int) -> None:
             loads[a] += sizes[y]
 
 
-def build_plan(specs: Sequence[TensorSpec], num_shards: int, max_shard_bytes: int | None = None) -> ShardPlan:
-    """Assign every parameter/buffer (or row block) to one of ``num_shards`` shards, deterministically."""
+def build_plan(specs: Sequence[TensorSpec], num_shards: int, max_shard_bytes: int | str | None = None) -> ShardPlan:
+    """Assign every parameter/buffer (or row block) to one of ``num_shards`` shards, deterministically.
+
+    ``max_shard_bytes`` is a number or ``None`` here; ``"auto"`` is resolved by the caller, who knows the
+    optimizer (:func:`auto_max_shard_bytes`).
+    """
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
-    if max_shard_bytes is not None and max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be None or > 0, got {max_shard_bytes!r}")
+    if max_shard_bytes is not None and (
+        isinstance(max_shard_bytes, (bool, str)) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0
+    ):
+        raise ValueError(
+            f"max_shard_bytes must be None or an int > 0 (resolve 'auto' with auto_max_shard_bytes), "
+            f"got {max_shard_bytes!r}"
+        )
     for spec in specs:
         if spec.kind not in ("param", "buffer"):
             raise ValueError(f"TensorSpec.kind must be 'param' or 'buffer', got {spec.kind!r} for {spec.name!r}")

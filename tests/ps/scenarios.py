@@ -77,6 +77,8 @@ def sync_equivalence(rank: int, world: int) -> dict[str, Any]:
             ref_sched.step()
         client.sync()
         out[name] = max(float((a - b).abs().max()) for a, b in zip(_params(model), _params(ref), strict=True))
+        out[f"{name}_split"] = client.plan.split_tensors()  # max_shard_bytes="auto" (the default)
+        out[f"{name}_balance"] = client.plan.balance
         client.close()
     return out
 

@@ -37,6 +37,16 @@ def test_sync_two_workers_equals_one_process_on_the_concatenated_batches(world2:
     assert world2[1]["sync_equivalence"][name] <= 1e-5
 
 
+def test_auto_sharding_splits_for_elementwise_optimizers_and_keeps_lamb_layers_whole(world2: list) -> None:
+    """max_shard_bytes="auto": SGD/AdamW get balanced row blocks (the run above matched), LAMB whole tensors."""
+    for r in world2:
+        eq = r["sync_equivalence"]
+        for name in ("sgd", "adamw"):
+            assert eq[f"{name}_split"] == ["0.weight", "2.weight", "4.weight"], name
+            assert eq[f"{name}_balance"] <= 1.125, name
+        assert eq["lamb_split"] == []
+
+
 def test_sync_resume_from_state_dict_is_bitwise(world2: list) -> None:
     for r in world2:
         assert r["resume"]["equal"]

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from ivyplug.ps.sharding import MASTER_ITEMSIZE, TensorSpec, build_plan
+from ivyplug.ps.sharding import AUTO_PIECES_PER_SHARD, MASTER_ITEMSIZE, TensorSpec, auto_max_shard_bytes, build_plan
 
 
 def random_model(rng: random.Random, n: int) -> list[TensorSpec]:
@@ -113,3 +113,50 @@ def test_bad_arguments() -> None:
         build_plan([TensorSpec("w", (2,))], 1, max_shard_bytes=0)
     with pytest.raises(ValueError, match="kind"):
         build_plan([TensorSpec("w", (2,), "grad")], 1)
+
+
+def test_auto_limit_bounds_every_plan_by_one_eighth_over_ideal() -> None:
+    """ "auto" with an element-wise optimizer: largest shard <= (1 + 1/8) x ideal, any model, any shard count."""
+    rng = random.Random(11)
+    for _ in range(200):
+        specs = random_model(rng, rng.randrange(1, 30))
+        m = rng.randrange(2, 9)
+        limit = auto_max_shard_bytes(specs, m, elementwise=True)
+        plan = build_plan(specs, m, limit)
+        total = sum(s.numel for s in specs) * MASTER_ITEMSIZE
+        ideal = total / m
+        largest = max(s.numel * MASTER_ITEMSIZE for s in specs)
+        if limit is None:  # nothing needed splitting: every tensor is already <= ideal / 8
+            assert largest <= -(-total // (m * AUTO_PIECES_PER_SHARD))
+        else:
+            assert all(p.nbytes <= limit or p.row_end - p.row_start == 1 for ps in plan.pieces for p in ps)
+        single_rows = max(
+            (p.nbytes for ps in plan.pieces for p in ps if p.row_end - p.row_start == 1), default=0
+        )  # a single row cannot be split further
+        bound = ideal * (1 + 1 / AUTO_PIECES_PER_SHARD) + single_rows
+        assert max(plan.shard_bytes()) <= bound + 1e-9, (plan.report(), limit)
+
+
+def test_auto_limit_keeps_whole_tensors_when_splitting_would_change_the_update() -> None:
+    specs = [TensorSpec("w", (1024, 1024)), TensorSpec("b", (1024,)), TensorSpec("v", (10, 1024))]
+    assert auto_max_shard_bytes(specs, 2, elementwise=False) is None  # LAMB: trust ratio per tensor
+    assert auto_max_shard_bytes(specs, 1, elementwise=True) is None  # one shard: nothing to balance
+    assert auto_max_shard_bytes([TensorSpec(f"t{i}", (4,)) for i in range(32)], 2, elementwise=True) is None
+    limit = auto_max_shard_bytes(specs, 2, elementwise=True)
+    total = (1024 * 1024 + 1024 + 10 * 1024) * MASTER_ITEMSIZE
+    assert limit == -(-total // 16)
+    plan = build_plan(specs, 2, limit)
+    assert plan.split_tensors() == ["w"] and plan.balance <= 1.125
+    assert build_plan(specs, 2, None).balance > 1.8  # whole tensors: one server holds 99% of one half
+
+
+def test_elementwise_optimizer_classes() -> None:
+    import torch
+
+    from ivyplug.optim import LAMB
+    from ivyplug.ps.mirror import is_elementwise
+
+    assert all(is_elementwise(c) for c in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
+    assert not is_elementwise(LAMB)
+    assert not is_elementwise(torch.optim.LBFGS)
+    assert not is_elementwise(type("MyAdam", (torch.optim.Adam,), {}))  # a subclass may add layer-wise terms

@@ -27,7 +27,7 @@ from .digits import DigitsMLP, ManualOptMLP
         ({"timeout": 0}, "timeout must be a finite number"),
         ({"timeout": timedelta(seconds=3)}, "timeout must be a finite number"),
         ({"num_servers": -1}, "num_servers must be an int"),
-        ({"max_shard_bytes": 0}, "max_shard_bytes must be None or an int"),
+        ({"max_shard_bytes": 0}, "max_shard_bytes must be .auto., None or an int"),
         ({"start_method": "thread"}, "start_method must be one of"),
         ({"process_group_timeout": 30}, "process_group_timeout must be a datetime.timedelta"),
     ],

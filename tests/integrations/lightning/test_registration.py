@@ -149,3 +149,19 @@ def test_lightning_cli_yaml(tmp_path: Path, strategy_yaml: str, expected: tuple[
     strategy = cli.trainer.strategy
     assert isinstance(strategy, IvyPSStrategy)
     assert (strategy.mode, strategy.ps_config.staleness) == expected
+
+
+def test_startup_line_is_silent_when_ivyplug_is_gone(tmp_path: Path) -> None:
+    """A .pth left behind (or a broken environment) must not print a traceback at every interpreter start."""
+    line = (REPO / "integrations" / "lightning" / "autoregister.pth").read_text().strip()
+    code = f"import sys; sys.path[:] = [p for p in sys.path if p]; exec({line!r}); print('OK')"
+    proc = subprocess.run(  # -S: no site-packages, so ivyplug cannot be found; run the line as site.py would
+        [sys.executable, "-S", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(tmp_path),
+        env={k: v for k, v in os.environ.items() if k not in (DISABLE_ENV, "PYTHONPATH")},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr
+    assert proc.stderr == ""

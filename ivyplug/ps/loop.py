@@ -65,8 +65,19 @@ class ServerLoop(threading.Thread):
         self.channel.send(to, h, data, reply=True, wait=False)
 
     def _reply_error(self, to: int, request: Header) -> None:
+        """An ERROR reply carrying a zero payload of the size the requester posted a receive for, so that
+        its receive completes and it fails at once (not after ``timeout``) and nothing stays posted."""
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, seq=request.seq, status=Status.ERROR, flags=self._flags())
-        self.channel.send(to, h, None, reply=True, wait=False)
+        self.channel.send(to, h, torch.zeros(self._reply_numel(request)), reply=True, wait=False)
+
+    def _reply_numel(self, request: Header) -> int:
+        """fp32 elements of the reply payload a request of this kind expects (see client.py)."""
+        if request.kind in (Kind.PUSH_PULL, Kind.PULL) and self.server is not None:
+            plan = self.server.plan
+            return plan.shard_numel(request.shard) if 0 <= request.shard < plan.num_shards else 0
+        if request.kind == Kind.STATE_FETCH:
+            return (len(self._state_blob) + 3) // 4
+        return 0
 
     def run(self) -> None:
         while not self.expect_bye <= self.bye_from:
@@ -90,14 +101,7 @@ class ServerLoop(threading.Thread):
                 )
                 if self.server is not None:
                     self.server.fail(exc)
-                if header.kind in (
-                    Kind.PUSH_PULL,
-                    Kind.PULL,
-                    Kind.NEXT_BATCH,
-                    Kind.STATE_SIZE,
-                    Kind.STATE_FETCH,
-                    Kind.LOAD,
-                ):
+                if header.kind in _WANTS_REPLY:
                     self._reply_error(header.sender, header)
 
     def _handle(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:

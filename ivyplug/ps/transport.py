@@ -21,6 +21,7 @@ from ivyplug.ps.messages import (
     TAG_REQUEST_DATA,
     TAG_REQUEST_HYPER,
     Header,
+    Status,
     empty_header,
 )
 
@@ -36,6 +37,18 @@ class PSProtocolError(RuntimeError):
     """A peer sent something this process did not expect, or a server failed."""
 
 
+def _peer_closed(msg: str) -> bool:
+    return "Connection closed by peer" in msg or "Connection reset" in msg or "Broken pipe" in msg
+
+
+def peer_error(peer: int, doing: str, exc: BaseException) -> PSProtocolError:
+    """A PSProtocolError naming the PS rank that failed; a closed connection means the peer died."""
+    msg = str(exc)
+    if _peer_closed(msg):
+        return PSProtocolError(f"PS rank {peer} is gone (its connection closed; did the process crash?) while {doing}")
+    return PSProtocolError(f"communication with PS rank {peer} failed while {doing}: {msg}")
+
+
 def wait_work(work: Any, timeout: float, what: str) -> None:
     """Wait for a torch.distributed Work with a deadline; raise PSTimeoutError naming ``what``."""
     try:
@@ -44,6 +57,10 @@ def wait_work(work: Any, timeout: float, what: str) -> None:
         msg = str(exc)
         if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
             raise PSTimeoutError(f"timed out after {timeout:g} s waiting for {what}") from exc
+        if _peer_closed(msg):
+            raise PSProtocolError(
+                f"a PS peer is gone (its connection closed; did the process crash?) while waiting for {what}"
+            ) from exc
         raise PSProtocolError(f"communication failed while waiting for {what}: {msg}") from exc
 
 
@@ -58,8 +75,17 @@ class Channel:
         self._pending: deque[tuple[Any, tuple[torch.Tensor, ...], str]] = deque()
 
     # -- sending -------------------------------------------------------------------------------
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        return self.group.send([tensor], dst, tag)
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> Any:
+        try:
+            return self.group.send([tensor], dst, tag)
+        except RuntimeError as exc:  # gloo raises at once when the peer's connection is gone
+            raise peer_error(dst, f"sending {what}", exc) from exc
+
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Any:
+        try:
+            return self.group.recv([tensor], src, tag)
+        except RuntimeError as exc:
+            raise peer_error(src, f"posting a receive for {what}", exc) from exc
 
     def send(
         self,
@@ -81,15 +107,16 @@ class Channel:
         tensors: list[torch.Tensor] = [h]
         works = []
         with self._send_lock:
-            works.append(self._isend(h, dst, TAG_REPLY if reply else TAG_REQUEST))
+            what = f"a kind-{header.kind} message"
+            works.append(self._isend(h, dst, TAG_REPLY if reply else TAG_REQUEST, what))
             if data is not None and data.numel() > 0:
                 tensors.append(data)
-                works.append(self._isend(data, dst, TAG_REPLY_DATA if reply else TAG_REQUEST_DATA))
+                works.append(self._isend(data, dst, TAG_REPLY_DATA if reply else TAG_REQUEST_DATA, what))
             if hyper is not None and hyper.numel() > 0:
                 if reply:
                     raise PSProtocolError("replies carry no fp64 payload")
                 tensors.append(hyper)
-                works.append(self._isend(hyper, dst, TAG_REQUEST_HYPER))
+                works.append(self._isend(hyper, dst, TAG_REQUEST_HYPER, what))
             if not wait:
                 for w in works:
                     self._pending.append((w, tuple(tensors), f"kind {header.kind} to rank {dst}"))
@@ -132,10 +159,10 @@ class Channel:
         works = []
         if header.numel > 0:
             data = torch.empty(header.numel, dtype=torch.float32)
-            works.append(self.group.recv([data], header.sender, TAG_REQUEST_DATA))
+            works.append(self._irecv(data, header.sender, TAG_REQUEST_DATA, f"the payload of a kind-{header.kind}"))
         if header.n_hyper > 0:
             hyper = torch.empty(header.n_hyper, dtype=torch.float64)
-            works.append(self.group.recv([hyper], header.sender, TAG_REQUEST_HYPER))
+            works.append(self._irecv(hyper, header.sender, TAG_REQUEST_HYPER, f"the payload of a kind-{header.kind}"))
         for w in works:
             wait_work(w, self.timeout, f"the payload of a kind-{header.kind} message from rank {header.sender}")
         return data, hyper
@@ -143,12 +170,18 @@ class Channel:
     def post_reply(self, src: int, data: torch.Tensor | None) -> tuple[torch.Tensor, list[Any]]:
         """Post receives for a reply header (and fp32 payload into ``data``) from ``src`` before asking."""
         h = empty_header()
-        works = [self.group.recv([h], src, TAG_REPLY)]
+        works = [self._irecv(h, src, TAG_REPLY, "a reply")]
         if data is not None and data.numel() > 0:
-            works.append(self.group.recv([data], src, TAG_REPLY_DATA))
+            works.append(self._irecv(data, src, TAG_REPLY_DATA, "a reply"))
         return h, works
 
     def wait_reply(self, h: torch.Tensor, works: list[Any], what: str) -> Header:
-        for w in works:
+        """Wait for the reply header, then its payload; an error reply without payload returns at once
+        (its status tells the caller to fail) instead of waiting ``timeout`` for data that never comes."""
+        wait_work(works[0], self.timeout, what)
+        header = Header.decode(h)
+        if header.status != Status.OK and header.numel == 0:
+            return header
+        for w in works[1:]:
             wait_work(w, self.timeout, what)
-        return Header.decode(h)
+        return header

@@ -1,0 +1,86 @@
+"""Processes that fail on purpose: a co-located peer killed mid-job, a dedicated-server job whose rank 0 dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ivyplug.ps import PSClient, PSConfig
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def killed_peer(rank: int, world: int, port: int, mode: str, timeout: float, outfile: str) -> None:
+    """Rank ``world-1`` SIGKILLs itself after start; rank 0 steps as Lightning would, then tears down.
+
+    Rank 0 writes what its step and close raised (type, message, seconds) to ``outfile`` and returns
+    normally: the test checks that the process then exits by itself (the server thread is a daemon).
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, opt = _model()
+    client = PSClient.start(PSConfig(mode=mode, timeout=timeout), list(model.named_parameters()), [], opt)
+    client.pull_initial()
+    dist.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)  # the peer is gone by now
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    out: dict[str, Any] = {}
+    for what, call in (("step", lambda: client.step(4)), ("close", client.close)):
+        t0 = time.monotonic()
+        try:
+            call()
+            out[what] = {"error": None, "type": None, "seconds": time.monotonic() - t0}
+        except Exception as exc:
+            out[what] = {"error": str(exc), "type": type(exc).__name__, "seconds": time.monotonic() - t0}
+    t0 = time.monotonic()
+    dist.destroy_process_group()
+    out["destroy_seconds"] = time.monotonic() - t0
+    torch.save(out, outfile)
+    print(f"[rank {rank}] results written", file=sys.stderr, flush=True)
+
+
+def dedicated_job() -> None:
+    """Rank 0 of a one-worker job with one dedicated server, for the parent-watchdog test.
+
+    First a push the server refuses (3 gradient values for a shard of more): its error reply must come at
+    once, not after ``timeout``. Then print the server's pid and wait to be killed.
+    """
+    from ivyplug.ps.messages import Kind
+
+    model, opt = _model()
+    client = PSClient.start(PSConfig(mode="sync", num_servers=1, timeout=60.0), list(model.named_parameters()), [], opt)
+    client.pull_initial()
+    hyper = torch.cat([torch.tensor([-1.0, 4.0], dtype=torch.float64), client.spec.encode(opt)])
+    server = client.world_size  # PS-group rank of dedicated server 0
+    t0 = time.monotonic()
+    try:
+        hbuf, works, _, _ = client._request(
+            Kind.PUSH_PULL, 0, server, torch.zeros(3), hyper, client.plan.shard_numel(0)
+        )
+        client._finish(hbuf, works, server, "a malformed push")
+        result: dict[str, Any] = {"type": None, "error": None}
+    except Exception as exc:
+        result = {"type": type(exc).__name__, "error": str(exc)}
+    result["seconds"] = time.monotonic() - t0
+    print("ERROR_REPLY " + json.dumps(result), flush=True)
+    print("SERVERS " + " ".join(str(p.pid) for p in client.server_procs), flush=True)
+    time.sleep(300)
+
+
+if __name__ == "__main__":
+    dedicated_job()

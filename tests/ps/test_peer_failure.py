@@ -1,0 +1,116 @@
+"""A PS peer that dies: the survivors get a clear error naming it and still exit; orphaned servers end.
+
+Real processes. A co-located peer killed by SIGKILL (no teardown) is detected by gloo as a closed
+connection, at once or within ``timeout``; dedicated server processes whose rank 0 is SIGKILLed end by
+themselves through their parent watchdog (their any-source receive has no timeout of ours).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.ps.failure_scenarios import killed_peer
+from tests.ps.harness import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 3.0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.timeout(200)
+def test_killed_colocated_peer_fails_the_step_naming_it_and_the_survivor_exits(tmp_path: Path) -> None:
+    """async, 2 workers; rank 1 is SIGKILLed: rank 0's step and close raise PSProtocolError naming rank 1
+    within the timeout, and rank 0 then exits by itself with code 0 (its server thread is a daemon)."""
+    out = tmp_path / "rank0.pt"
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=killed_peer, args=(r, 2, port, "async", TIMEOUT_S, str(out)), daemon=False) for r in range(2)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        procs[0].join(150)
+        assert procs[0].exitcode == 0, f"rank 0 did not exit cleanly (exit code {procs[0].exitcode})"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    assert procs[1].exitcode == -signal.SIGKILL
+    result = torch.load(out, weights_only=False)
+    for what in ("step", "close"):
+        assert result[what]["type"] == "PSProtocolError", result
+        assert "PS rank 1 is gone" in result[what]["error"], result
+        assert result[what]["seconds"] <= TIMEOUT_S + 2.0, result
+    assert result["destroy_seconds"] < 10.0
+
+
+@pytest.mark.timeout(200)
+def test_dedicated_servers_exit_when_rank0_is_killed() -> None:
+    """num_servers=1: SIGKILL the job's rank 0 (no teardown); its server process ends within a few
+    seconds, saying why on stderr. Before that, a push the server refuses fails at once with its error."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "tests.ps.failure_scenarios"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the server joins its process group: one killpg cleans up on failure
+    )
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.append(job.stderr.read() if job.stderr else ""), daemon=True)
+    reader.start()
+    servers: list[int] = []
+    try:
+        line = ""
+        lines: list[str] = []
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and job.stdout is not None:
+            line = job.stdout.readline()
+            lines.append(line)
+            if not line or line.startswith("SERVERS"):
+                break
+        assert line.startswith("SERVERS"), f"the job did not start its server: {lines}"
+        # the refused push came back as an error reply at once (not a PSTimeoutError after 60 s)
+        refused = json.loads(next(x for x in lines if x.startswith("ERROR_REPLY")).split(" ", 1)[1])
+        assert refused["type"] == "PSProtocolError", refused
+        assert "failed while answering a malformed push" in refused["error"], refused
+        assert refused["seconds"] < 30, refused
+        servers = [int(x) for x in line.split()[1:]]
+        assert len(servers) == 1 and not _gone(servers[0])
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(10)
+        deadline = time.monotonic() + 10.0  # the watchdog polls once a second
+        while time.monotonic() < deadline and not all(_gone(p) for p in servers):
+            time.sleep(0.1)
+        assert all(_gone(p) for p in servers), "a dedicated server outlived its rank 0"
+        reader.join(10)  # the server held the stderr pipe: EOF once it is gone
+        assert "dedicated server: rank 0 is gone, exiting" in "".join(stderr)
+    finally:
+        for pid in servers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(10)

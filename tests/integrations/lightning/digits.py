@@ -35,6 +35,7 @@ class DigitsMLP(pl.LightningModule):
         lr: float = 0.1,
         optimizer: str = "sgd",
         step_lr: bool = False,
+        step_lr_size: int = 3,
         batch_size: int = 32,
         train_size: int | None = None,
         shuffle: bool = False,
@@ -103,7 +104,10 @@ class DigitsMLP(pl.LightningModule):
         else:
             raise ValueError(f"optimizer must be sgd, lamb or adamw, got {self.hparams.optimizer!r}")
         if self.hparams.step_lr:
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=self.hparams.step_lr_size, gamma=0.5),
+            }
         return opt
 
     def _train_data(self) -> TensorDataset:

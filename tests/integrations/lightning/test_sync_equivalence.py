@@ -100,31 +100,37 @@ def test_sync_resume_after_epoch_2_matches_uninterrupted_bitwise(sync_run: SyncR
         assert torch.equal(resumed_params[name], sync_run.params[name]), name
 
 
-def test_sync_lamb_equals_single_process() -> None:
+def _lamb_with_step_lr(m: Any) -> tuple[torch.optim.Optimizer, Any]:
     from ivyplug.optim import LAMB
 
+    opt = LAMB(m.parameters(), lr=0.01)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def test_sync_lamb_clip_steplr_equals_single_process_and_ddp() -> None:
+    """LAMB, gradient_clip_val=0.5, StepLR (halves the lr after epoch 1): PS sync == one process == DDP.
+
+    In DDP Lightning clips each rank's gradient after the all-reduce, i.e. by the norm of the combined
+    gradient, which is what the PS does on the servers and the reference does on the concatenated batch.
+    """
     seed_everything(1)  # also Lightning's sampler seed (PL_GLOBAL_SEED)
-    init = DigitsMLP(hidden=32, lr=0.01, optimizer="lamb", train_size=512, batch_size=BATCH)
-    x, y, _, _ = digits_tensors()
-    expected = reference_training(
-        init,
-        lambda m: (LAMB(m.parameters(), lr=0.01), None),
-        x[:512],
-        y[:512],
-        2,
-        BATCH,
-        world_size=2,
-        clip=0.5,
-        seed=1,
+    init = DigitsMLP(
+        hidden=32, lr=0.01, optimizer="lamb", step_lr=True, step_lr_size=1, train_size=512, batch_size=BATCH
     )
-    with reaped_children():
+    x, y, _, _ = digits_tensors()
+    expected = reference_training(init, _lamb_with_step_lr, x[:512], y[:512], 2, BATCH, world_size=2, clip=0.5, seed=1)
+    fits = {}
+    for name, strategy in (("ps", IvyPSStrategy(mode="sync", start_method="spawn", timeout=60)), ("ddp", "ddp_spawn")):
         model = copy.deepcopy(init)
-        quiet_trainer(
-            IvyPSStrategy(mode="sync", start_method="spawn", timeout=60),
-            devices=2,
-            max_epochs=2,
-            gradient_clip_val=0.5,
-            limit_val_batches=0,
-        ).fit(model)
-    assert max_abs_diff(params_of(model), expected) <= 1e-5
-    assert max_abs_diff(params_of(model), params_of(init)) > 1e-3
+        with reaped_children():
+            quiet_trainer(strategy, devices=2, max_epochs=2, gradient_clip_val=0.5, limit_val_batches=0).fit(model)
+        fits[name] = params_of(model)
+    assert max_abs_diff(fits["ps"], expected) <= 1e-5
+    assert max_abs_diff(fits["ddp"], expected) <= 1e-5
+    assert max_abs_diff(fits["ps"], fits["ddp"]) <= 1e-5
+    assert max_abs_diff(fits["ps"], params_of(init)) > 1e-3  # it trained
+    # the StepLR mattered: without it the same training ends elsewhere
+    no_decay = reference_training(
+        init, lambda m: (_lamb_with_step_lr(m)[0], None), x[:512], y[:512], 2, BATCH, 2, 0.5, 1
+    )
+    assert max_abs_diff(no_decay, expected) > 1e-4

@@ -83,7 +83,11 @@ def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int
             weight = torch.nn.Parameter(torch.zeros(mb * 2**20 // 4))
             optimizer = torch.optim.SGD([weight], lr=0.0)
             client = PSClient.start(
-                PSConfig(mode="async", timeout=120.0), [("w", weight)], optimizer=optimizer, rank=rank, world_size=2
+                PSConfig(mode="async", timeout=120.0, max_shard_bytes=None),  # whole: every byte crosses gloo
+                [("w", weight)],
+                optimizer=optimizer,
+                rank=rank,
+                world_size=2,
             )
             try:
                 owner = client.plan.nonempty_shards()[0]

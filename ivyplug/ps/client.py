@@ -81,6 +81,8 @@ class PSClient:
         self.epoch: int | None = None
         self.closed = False
         self.m = _Metrics()
+        self._push_bufs: dict[int, torch.Tensor] = {}
+        self._reply_bufs: dict[int, torch.Tensor] = {}
         self._seq = 0
         self.dedicated = False
         self.server_procs: list[Any] = []
@@ -228,9 +230,21 @@ class PSClient:
             a = starts[p.index] + p.row_start * row
             out[p.offset : p.offset + p.numel].copy_(full[a : a + p.numel])
 
+    def _shard_buffer(self, pool: dict[int, torch.Tensor], shard: int) -> torch.Tensor:
+        """A flat fp32 buffer of ``shard``'s size, allocated once and reused every step.
+
+        A fresh multi-MB tensor per step costs page faults on first touch (glibc serves large blocks with
+        mmap), about as much as the copy itself. Reuse is safe: a step waits for its sends (``flush``) and
+        unpacks every reply before the next step packs or receives into the same buffer.
+        """
+        buf = pool.get(shard)
+        if buf is None:
+            buf = pool[shard] = torch.empty(self.plan.shard_numel(shard), dtype=torch.float32)
+        return buf
+
     def _pack(self, shard: int, clip: float) -> torch.Tensor:
-        """This worker's gradients (zeros where None) then buffers of ``shard``, flat fp32."""
-        out = torch.empty(self.plan.shard_numel(shard), dtype=torch.float32)
+        """This worker's gradients (zeros where None) then buffers of ``shard``, flat fp32 (a reused buffer)."""
+        out = self._shard_buffer(self._push_bufs, shard)
         for p in self.plan.pieces[shard]:
             dst = out[p.offset : p.offset + p.numel]
             t = self._tensor(p.index)
@@ -304,7 +318,10 @@ class PSClient:
     ) -> tuple[torch.Tensor, list[Any], torch.Tensor | None, int]:
         assert self.channel is not None
         self._seq += 1
-        out = torch.empty(reply_numel, dtype=torch.float32) if reply_numel else None
+        if kind in (Kind.PUSH_PULL, Kind.PULL) and reply_numel == self.plan.shard_numel(shard):
+            out: torch.Tensor | None = self._shard_buffer(self._reply_bufs, shard)  # unpacked before reuse
+        else:
+            out = torch.empty(reply_numel, dtype=torch.float32) if reply_numel else None
         hbuf, works = self.channel.post_reply(dst, out)
         h = Header(kind=kind, sender=self.rank, shard=shard, seq=self._seq, **args)
         self.m.bytes_sent += self.channel.send(dst, h, data, hyper, wait=False)

@@ -107,6 +107,7 @@ class ShardServer:
         self.ssp_trace: deque[tuple[int, int, int]] = deque(maxlen=SSP_TRACE_LEN)
         # parked replies: (worker, deliver(snapshot, version, staleness))
         self._parked: list[tuple[int, int, Callable[[torch.Tensor, int, int], None]]] = []
+        self._snapshot_bufs: dict[int, torch.Tensor] = {}
 
     # -- update rules (call with self.cond held) -----------------------------------------------
     def _apply_hyper(self, hyper: torch.Tensor) -> None:
@@ -236,8 +237,15 @@ class ShardServer:
         return True
 
     def snapshot(self, worker: int) -> tuple[torch.Tensor, int]:
-        """Flat fp32 copy of params then buffers; marks what ``worker`` has seen (for staleness)."""
-        out = torch.empty(self.n_total, dtype=torch.float32)
+        """Flat fp32 copy of params then buffers; marks what ``worker`` has seen (for staleness).
+
+        The copy goes into a buffer kept per worker (no page faults from a fresh multi-MB tensor per reply).
+        Reuse is safe: a worker has at most one request open per shard and reads the whole reply before
+        it sends the next, so the previous reply to it has left this buffer.
+        """
+        out = self._snapshot_bufs.get(worker)
+        if out is None:
+            out = self._snapshot_bufs[worker] = torch.empty(self.n_total, dtype=torch.float32)
         for m, p in zip(self.masters, self.param_pieces, strict=True):
             out[p.offset : p.offset + p.numel].copy_(m.detach().reshape(-1))
         out[self.n_param :].copy_(self.buffers)

@@ -43,6 +43,8 @@ def _run_job(strategy: str, slowdown: float, epochs: int, repeat: int, timeout: 
     times = result["epoch_times"]
     result["epoch_time"] = statistics.median(times[1:] if len(times) > 1 else times)
     result["samples_per_s"] = result["train_samples"] / result["epoch_time"]
+    cpu = result.get("epoch_cpu_seconds") or []
+    result["epoch_cpu"] = statistics.median(cpu[1:] if len(cpu) > 1 else cpu) if cpu else float("nan")
     return result
 
 
@@ -145,6 +147,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "throughput_vs_ddp": {
             s: by[(s, 1.0)]["samples_per_s"] / ddp_fast["samples_per_s"] for s in ("ivy_ps_sync", "ivy_ps")
         },
+        # CPU seconds both workers spend per epoch, relative to DDP's: the load-robust view of the overhead
+        "cpu_vs_ddp": {s: by[(s, 1.0)]["epoch_cpu"] / ddp_fast["epoch_cpu"] for s in ("ivy_ps_sync", "ivy_ps")},
         "slow_epoch_ratio_vs_ddp": {
             s: by[(s, SLOWDOWN)]["epoch_time"] / ddp_slow["epoch_time"] for s in ("ivy_ps_sync", "ivy_ps")
         },
@@ -176,7 +180,7 @@ def format_table(results: dict[str, Any]) -> str:
     lines = [
         f"ivyplug bench ps (2 workers, epochs={results['epochs']}, data x{results['repeat']}, slow worker "
         f"{results['slowdown']:g}x{quick})",
-        f"{'strategy':<12} {'slow':>5} {'epoch s':>8} {'samples/s':>10} {'val acc':>8} {'MB/epoch':>9} "
+        f"{'strategy':<12} {'slow':>5} {'epoch s':>8} {'CPU s':>6} {'samples/s':>10} {'val acc':>8} {'MB/epoch':>9} "
         f"{'pushes r0/r1':>13} {'load':>10}",
     ]
     for r in results["runs"]:
@@ -185,15 +189,18 @@ def format_table(results: dict[str, Any]) -> str:
         mb = f"{r['bytes_sent_per_epoch'] / 1e6:.0f}" + ("" if r["bytes_measured"] else "*")
         load = f"{r['loadavg_before'][0]:.1f}-{r['loadavg_after'][0]:.1f}"
         lines.append(
-            f"{r['strategy']:<12} {r['slowdown']:>4g}x {r['epoch_time']:>8.2f} {r['samples_per_s']:>10.0f} "
+            f"{r['strategy']:<12} {r['slowdown']:>4g}x {r['epoch_time']:>8.2f} {r['epoch_cpu']:>6.2f} "
+            f"{r['samples_per_s']:>10.0f} "
             f"{r['val_acc']:>8.4f} {mb:>9} {push_text:>13} {load:>10}"
         )
     s = results["summary"]
     t = results["targets"]
     lines.append("(* DDP bytes: analytic, one gradient sent per rank per step; PS bytes: measured)")
+    lines.append("(CPU s: CPU seconds of both worker processes per train epoch, every thread; load-robust)")
     for name in ("ivy_ps_sync", "ivy_ps"):
         lines.append(
             f"{name}: throughput {s['throughput_vs_ddp'][name]:.2f}x DDP (target >= {t['throughput_vs_ddp']}), "
+            f"CPU per epoch {s['cpu_vs_ddp'][name]:.2f}x DDP's, "
             f"slow-worker epoch {s['slow_epoch_ratio_vs_ddp'][name]:.2f}x DDP's"
             + (f" (target <= {t['async_slow_epoch_ratio_vs_ddp']})" if name == "ivy_ps" else "")
             + f", val acc {s['slow_acc_points_vs_ddp'][name]:+.2f} points vs DDP (target within {t['acc_points']})"

@@ -102,7 +102,15 @@ class ServerLoop(threading.Thread):
                 if self.server is not None:
                     self.server.fail(exc)
                 if header.kind in _WANTS_REPLY:
-                    self._reply_error(header.sender, header)
+                    try:
+                        self._reply_error(header.sender, header)
+                    except Exception as reply_exc:  # the requester is gone too: keep serving the others
+                        print(
+                            f"[ivyplug.ps] rank {self.channel.rank} could not send the error reply to rank "
+                            f"{header.sender}: {reply_exc}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
 
     def _handle(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
         w = h.sender

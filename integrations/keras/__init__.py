@@ -14,7 +14,6 @@ _EXPORTS: dict[str, str] = {
     "LAMB": "ivyplug.integrations.keras.lamb",
     "ElasticDataset": "ivyplug.integrations.keras.elastic",
     "IvyLoadBalancer": "ivyplug.integrations.keras.load_balancer",
-    "fit_with_oom_recovery": "ivyplug.integrations.keras.load_balancer",
     "apply_mwms_fixes": "ivyplug.integrations.keras.mwms_fixes",
 }
 

@@ -30,15 +30,33 @@ The decisions are ivyplug's framework-free core (:mod:`ivyplug.load`): probes po
   ``ivy/worker{w}/utilization`` and ``ivy/worker{w}/memory_fraction``. With ``log_every_n_steps`` the
   latest readings are also added to the batch logs every n steps.
 
-Out of memory: a ``tf.errors.ResourceExhaustedError`` raised by a training step leaves ``model.fit``
-(no callback hook can catch it, and the step's batch is gone). What Keras allows is to shrink the batch
-and retry the epoch: :func:`fit_with_oom_recovery` catches the error, lets the policy shrink B (and cap
-it, as after any OOM), rescales the LR, replays the failed epoch's data from its first sample with the
-smaller batch and continues with ``initial_epoch`` = the failed epoch; after ``max_retries`` OOMs it raises
-:class:`~ivyplug.load.OutOfMemoryRecoveryError`. Steps of the failed epoch that ran before the OOM have
-already updated the weights. This works for one worker (single device or MirroredStrategy); under
-MultiWorkerMirroredStrategy the peers of the failed worker stay blocked in a collective, so there the
-OOM propagates.
+Out of memory (:class:`ElasticDataset` input, Keras 3.15, TensorFlow backend): the callback wraps
+``model.train_function`` for the duration of ``fit`` (installed in ``on_train_begin``, which Keras calls
+right after ``make_train_function``; removed in ``on_train_end``). A ``tf.errors.ResourceExhaustedError``
+raised by step ``i`` is caught there. Batch ``i`` is a pure function of ``i`` and the schedule, so it is
+rebuilt from the dataset (every replica's slice) and trained as ``k = 2`` micro-batches per replica whose
+gradients are summed weighted by micro-batch size and applied once
+(:class:`~ivyplug.integrations.keras.micro_batches.MicroBatchStep`): the same data and, for a mean loss,
+the same update as the step that failed; no batch is lost and ``fit`` goes on. Another OOM doubles ``k``
+up to ``oom_max_parts`` (and at most the replica's slice size), then
+:class:`~ivyplug.load.OutOfMemoryRecoveryError` says how far it went. Later steps with a batch at least as
+large as the failed one are run split with the ``k`` that worked (taken from the iterator eagerly,
+without a failed attempt first). At the epoch's end the policy sees the epoch's OOM count and lowers B
+(ignoring the cooldown, and B does not grow back above that size); the new size reaches the model
+``lag`` steps later, like any change, and the LR is rescaled then. ``ivy/oom_count`` counts the OOM
+errors met so far; :attr:`IvyLoadBalancer.recovered_steps` lists ``(step, parts)`` of each split step.
+
+Where the step cannot be split, an OOM still stops ``fit``, as an ``OutOfMemoryRecoveryError`` that says
+why (chained to the original error): a monitoring-only callback (no ``ElasticDataset``: the failed batch
+cannot be rebuilt) leaves the error untouched; ``steps_per_execution > 1`` (one call runs several
+batches, some of which may already have changed the weights); a model that overrides ``train_step``;
+another Keras version or backend. Under MultiWorkerMirroredStrategy the error is local to one worker
+while its peers wait in the step's all-reduce (and after the failed worker leaves they block for good:
+the test file ``tests/integrations/keras/test_mwms.py`` notes that a lone MWMS worker ignores SIGTERM);
+a split step would have to be agreed on by every worker before any of them starts it, and a worker that
+did not fail has no way to learn that another one did, so recovery is refused there with that reason.
+A failed attempt may have updated the loss tracker before the error, so that epoch's running ``loss``
+can include a part of it; the weights, the optimizer state and the data seen do not.
 """
 
 from __future__ import annotations
@@ -47,13 +65,13 @@ import math
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 from ivyplug.integrations.keras.elastic import ElasticDataset
+from ivyplug.integrations.keras.micro_batches import MicroBatchStep, unsupported_reason
 
 from ivyplug.load import (
     BatchSizePolicy,
@@ -63,8 +81,8 @@ from ivyplug.load import (
     Probe,
     Sampler,
     ScriptedProbe,
-    is_oom_error,
     lr_factor,
+    next_split,
     observation_from_summary,
     resolve_rule,
 )
@@ -119,6 +137,8 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         lr_scaling: ``"auto"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
         device_index: the GPU index whose readings decide (``None``: host CPU and memory).
         log_every_n_steps: add the latest readings to the batch logs every n steps (``None``: epoch logs only).
+        oom_max_parts: the most micro-batches per replica a step that ran out of memory is split into
+            before :class:`~ivyplug.load.OutOfMemoryRecoveryError` (1: no splitting).
 
     Example::
 
@@ -150,21 +170,26 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         lr_scaling: str = "auto",
         device_index: int | None = None,
         log_every_n_steps: int | None = None,
+        oom_max_parts: int = 8,
     ) -> None:
         super().__init__()
         if dataset is not None and not isinstance(dataset, ElasticDataset):
             raise ValueError(f"dataset must be an ElasticDataset or None, got {type(dataset).__name__}")
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < math.inf:
             raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        if oom_max_parts is None:
+            raise ValueError("oom_max_parts must be an int >= 1, got None")
         optional_ints = (
             ("device_index", device_index, 0),
             ("log_every_n_steps", log_every_n_steps, 1),
             ("min_batch_size", min_batch_size, 1),
             ("max_batch_size", max_batch_size, 1),
+            ("oom_max_parts", oom_max_parts, 1),
         )
         for name, value, low in optional_ints:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"{name} must be None or an int >= {low}, got {value!r}")
+                allowed = "an int" if name == "oom_max_parts" else "None or an int"
+                raise ValueError(f"{name} must be {allowed} >= {low}, got {value!r}")
         resolve_rule(lr_scaling, "SGD")  # validates the rule name
         self._policy_args: dict[str, Any] = {
             "grow_factor": grow_factor,
@@ -188,6 +213,7 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         self.lr_scaling = lr_scaling
         self.device_index = device_index
         self.log_every_n_steps = log_every_n_steps
+        self.oom_max_parts = oom_max_parts
 
         self.policy: BatchSizePolicy | None = None
         self.policy_state: PolicyState | None = None
@@ -195,7 +221,15 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         self.epoch = 0  # the epoch in progress (a ScriptedProbe clock can read it)
         self.step = 0  # global steps consumed in the current fit
         self.lr_factor = 1.0  # current LR / LR when training started
-        self.oom_count = 0
+        self.oom_count = 0  # out-of-memory errors met (each failed attempt counts)
+        self.recovered_steps: list[tuple[int, int]] = []  # (step in its fit, micro-batches per replica)
+        self._epoch_ooms = 0
+        self._split: tuple[int, int] | None = None  # (global B that ran out of memory, parts that worked)
+        self._micro: MicroBatchStep | None = None
+        self._guard_reason: str | None = None
+        self._unguarded: Any = None  # Keras's own train_function while ours wraps it
+        self._iterations = 0  # optimizer iterations after the last completed step (kept without reading it)
+        self._own_batches = False  # this fit reads its batches from the ElasticDataset, not Keras's iterator
         self.decisions: list[tuple[int, int, int, str]] = []  # (epoch, old B, new B, reason)
         self.epoch_start_positions: dict[int, int] = {}
         self._rule = "none"
@@ -218,6 +252,7 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             "lr_scaling": self.lr_scaling,
             "device_index": self.device_index,
             "log_every_n_steps": self.log_every_n_steps,
+            "oom_max_parts": self.oom_max_parts,
         }
 
     @classmethod
@@ -293,11 +328,14 @@ class IvyLoadBalancer(keras.callbacks.Callback):
                 self._build_policy()
         if self.sampler is None:
             self.sampler = Sampler([_make_probe(p) for p in self.probe_specs], interval=self.interval)
+        if self.dataset is not None:
+            self._install_step_guard()
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
         self._epoch_t0 = self._last_batch_t = t
         self.epoch = epoch
+        self._epoch_ooms = 0
         if self.dataset is not None:
             self.epoch_start_positions[epoch] = self.dataset.position_at(self.step)
         if self.sampler is not None:
@@ -327,16 +365,16 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         if not summary:  # an epoch shorter than the sampling interval
             self.sampler.sample_now()
             summary = self.sampler.summary()
-        local = observation_from_summary(summary, self.device_index, self.oom_count)
+        local = observation_from_summary(summary, self.device_index, self._epoch_ooms)
         workers = self._exchange(local)
         observation = _combine(workers)
         metrics: dict[str, float] = {f"ivy/{k}": float(s.mean) for k, s in summary.items()}
         if self.dataset is not None:
-            # OOMs were acted on when they happened (shrink_after_oom); the count is for the logs only.
-            self._decide(epoch, replace(observation, oom_count=0))
+            # An epoch with an OOM shrinks B (the policy ignores its cooldown for that).
+            self._decide(epoch, observation)
             metrics["ivy/batch_size"] = float(self.dataset.batch_size_at(max(self.step - 1, 0)))
         metrics["ivy/lr_factor"] = float(self.lr_factor)
-        metrics["ivy/oom_count"] = float(observation.oom_count)
+        metrics["ivy/oom_count"] = float(self.oom_count)
         if observation.utilization is not None:
             metrics["ivy/utilization"] = float(observation.utilization)
         if observation.memory_fraction is not None:
@@ -356,6 +394,7 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             logs.update(metrics)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self._remove_step_guard()
         if self.dataset is not None:
             # The next fit starts a new iterator at batch 0: continue the stream, with what is scheduled.
             self._next_start = (self.dataset.batch_size, self.dataset.position_at(self.step))
@@ -424,98 +463,123 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         self._pending.append((at, lr_factor(old, new, self._rule)))
         self.decisions.append((epoch, old, new, decision.reason))
 
-    def shrink_after_oom(self) -> int:
-        """Record an out-of-memory error and return the smaller batch size the policy picks."""
-        assert self.dataset is not None and self.policy is not None
-        self.oom_count += 1
-        old = self.dataset.batch_size
-        decision = self.policy.decide(old, LoadObservation(oom_count=1), self.policy_state)
-        self.policy_state = decision.state
-        new = self._round(decision.batch_size)
-        if new >= old:
-            raise OutOfMemoryRecoveryError(
-                f"out of memory at the smallest global batch size ({old}); lower min_batch_size or the model size"
+    # ----------------------------------------------------------------- out of memory
+    def _workers(self) -> int:
+        strategy = self.strategy
+        replicas = int(strategy.num_replicas_in_sync)
+        return 1 if replicas == 1 else replicas // len(strategy.extended.worker_devices)
+
+    def _install_step_guard(self) -> None:
+        """Wrap ``model.train_function`` (built by Keras just before ``on_train_begin``) for this fit."""
+        model = self.model
+        current = model.train_function
+        original = getattr(current, "_ivyplug_unguarded", current)  # left by a fit that raised
+        if original is None:
+            return
+        reason = unsupported_reason(model)
+        if reason is None and self._workers() > 1:
+            reason = (
+                "under MultiWorkerMirroredStrategy the error is local to one worker while the others wait in the "
+                "step's all-reduce; a split step would have to start on every worker at once and the others cannot "
+                "learn that one worker failed"
             )
-        self.decisions.append((self.epoch, old, new, decision.reason))
-        self._pending = [(0, f) for _, f in self._pending] + [(0, lr_factor(old, new, self._rule))]
-        self._next_start = (new, self.epoch_start_positions.get(self.epoch, 0))
-        self.dataset.restart(*self._next_start)
-        return new
+        self._guard_reason = reason
+        self._own_batches = False
+        self._iterations = int(np.asarray(_inner_optimizer(model).iterations))
+        if reason is None and self._micro is None:
+            self._micro = MicroBatchStep(model)
+
+        def guarded(iterator: Any) -> Any:
+            return self._guarded_step(original, iterator)
+
+        guarded._ivyplug_unguarded = original  # type: ignore[attr-defined]
+        self._unguarded = original
+        model.train_function = guarded
+
+    def _remove_step_guard(self) -> None:
+        if self._unguarded is not None:
+            self.model.train_function = self._unguarded
+            self._unguarded = None
+
+    def _record_oom(self, batch_size: int) -> None:
+        self.oom_count += 1
+        assert self.dataset is not None
+        if batch_size <= self.dataset.batch_size:  # not at a size already scheduled to shrink
+            self._epoch_ooms += 1
+
+    def _known_split(self, step: int) -> int | None:
+        """The micro-batch count that got a batch this large through before, if one did."""
+        assert self.dataset is not None
+        split = self._split
+        return split[1] if split is not None and self.dataset.batch_size_at(step) >= split[0] else None
+
+    def _guarded_step(self, original: Any, iterator: Any) -> Any:
+        step = self.step
+        assert self.dataset is not None
+        if self._own_batches:
+            # After an OOM under MirroredStrategy the distributed iterator can be out of step with the replicas
+            # (the failed call may have taken one replica's element and not another's): read batches straight
+            # from the ElasticDataset for the rest of this fit, whole or split as a batch this large needs.
+            return self._split_step(self._rebuild_batch(step), step, self._known_split(step) or 1)
+        try:
+            logs = original(iterator)
+            self._iterations += 1
+            return logs
+        except tf.errors.ResourceExhaustedError as exc:
+            self._record_oom(self.dataset.batch_size_at(step))
+            if self._guard_reason is not None:
+                raise OutOfMemoryRecoveryError(
+                    f"out of memory in training step {step} (global batch {self.dataset.batch_size_at(step)}); "
+                    f"IvyLoadBalancer cannot split this step into micro-batches: {self._guard_reason}"
+                ) from exc
+            self._own_batches = self._replicas() > 1
+            # A batch this large ran out of memory before: start from the split that worked then.
+            return self._split_step(self._rebuild_batch(step), step, self._known_split(step), exc)
+
+    def _rebuild_batch(self, step: int) -> Any:
+        """Batch ``step`` as the pipeline fed it (the failed call consumed it from the iterator)."""
+        data = self.dataset
+        assert data is not None
+        replicas = self._replicas()
+
+        def arrays(replica: int) -> tuple[tf.Tensor, tf.Tensor]:
+            index = data.indices(step, replica, replicas)
+            return tf.constant(data.x[index]), tf.constant(data.y[index])
+
+        if replicas == 1:
+            return arrays(0)
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: arrays(int(context.replica_id_in_sync_group))
+        )
+
+    def _split_step(self, batch: Any, step: int, parts: int | None, cause: BaseException | None = None) -> Any:
+        assert self.dataset is not None and self._micro is not None
+        size = self.dataset.batch_size_at(step)
+        per_replica = size // self._replicas()
+        # The iteration counter's increment does not wait for the gradients: a failed attempt may have run it.
+        iterations = _inner_optimizer(self.model).iterations
+        try:
+            if parts is None:
+                parts = next_split(1, per_replica, self.oom_max_parts)
+            while True:
+                try:
+                    iterations.assign(self._iterations)
+                    logs = self._micro(batch, parts)
+                    break
+                except tf.errors.ResourceExhaustedError as exc:
+                    self._record_oom(size)
+                    cause = exc
+                    parts = next_split(parts, per_replica, self.oom_max_parts)
+        except OutOfMemoryRecoveryError as exc:
+            raise OutOfMemoryRecoveryError(f"training step {step} (global batch {size}): {exc}") from cause
+        self._iterations += 1
+        if parts > 1:
+            self._split = (size, parts)
+            self.recovered_steps.append((step, parts))
+        return logs
 
 
 def _combine(workers: list[LoadObservation]) -> LoadObservation:
     from ivyplug.load import combine_observations
 
     return combine_observations(workers)
-
-
-def fit_with_oom_recovery(
-    model: Any,
-    data: ElasticDataset,
-    balancer: IvyLoadBalancer,
-    *,
-    epochs: int,
-    max_retries: int = 3,
-    **fit_kwargs: Any,
-) -> keras.callbacks.History:
-    """``model.fit`` over ``data`` that survives out-of-memory errors by shrinking the batch.
-
-    On a ``ResourceExhaustedError`` (or another OOM, see :func:`ivyplug.load.is_oom_error`) the
-    balancer's policy lowers B, the LR is rescaled, and the failed epoch is replayed from its first
-    sample. Returns one ``History`` over all epochs; ``steps_per_epoch`` is one pass at the current B.
-    """
-    if not isinstance(data, ElasticDataset):
-        raise ValueError(f"data must be the ElasticDataset the balancer was built with, got {type(data).__name__}")
-    if balancer.dataset is not data:
-        raise ValueError("data must be the ElasticDataset the balancer was built with, not another one")
-    assert data is not None  # narrowed by the identity check above
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-        raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
-    for key in ("x", "y", "steps_per_epoch", "initial_epoch", "epochs"):
-        if key in fit_kwargs:
-            raise ValueError(f"fit_with_oom_recovery sets {key!r} itself")
-    fit_kwargs.setdefault("shuffle", False)  # the ElasticDataset shuffles; Keras would only warn
-    callbacks = list(fit_kwargs.pop("callbacks", None) or [])
-    if balancer not in callbacks:
-        callbacks.append(balancer)
-    strategy = model.distribute_strategy
-    pipeline = data.tf_dataset(strategy if strategy.num_replicas_in_sync > 1 else None)
-    merged = keras.callbacks.History()
-    merged.history, merged.epoch = {}, []
-    seen = {id(getattr(model, "history", None))}
-
-    def collect(history: Any) -> None:
-        # Keras sets model.history to each fit's History, also when that fit fails part-way.
-        if isinstance(history, keras.callbacks.History) and id(history) not in seen:
-            seen.add(id(history))
-            merged.epoch.extend(history.epoch)
-            for key, values in history.history.items():
-                merged.history.setdefault(key, []).extend(values)
-
-    initial_epoch, retries = 0, 0
-    while True:
-        try:
-            history = model.fit(
-                pipeline,
-                epochs=epochs,
-                initial_epoch=initial_epoch,
-                steps_per_epoch=math.ceil(data.num_samples / data.batch_size),
-                callbacks=callbacks,
-                **fit_kwargs,
-            )
-        except Exception as exc:
-            if not is_oom_error(exc):
-                raise
-            collect(getattr(model, "history", None))
-            balancer.close()
-            retries += 1
-            if retries > max_retries:
-                raise OutOfMemoryRecoveryError(
-                    f"out of memory {retries} times (max_retries={max_retries}); last batch size {data.batch_size}"
-                ) from exc
-            balancer.shrink_after_oom()
-            initial_epoch = balancer.epoch
-            continue
-        collect(history)
-        merged.set_model(model)
-        return merged

@@ -12,7 +12,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 from ivyplug.integrations.keras.elastic import ElasticDataset  # noqa: E402
-from ivyplug.integrations.keras.load_balancer import IvyLoadBalancer, fit_with_oom_recovery  # noqa: E402
+from ivyplug.integrations.keras.load_balancer import IvyLoadBalancer  # noqa: E402
 
 from ivyplug.load import ScriptedProbe  # noqa: E402
 
@@ -168,38 +168,6 @@ def test_memory_pressure_shrinks_to_the_bound(digits: Any) -> None:
     history = model.fit(data.tf_dataset(), steps_per_epoch=4, epochs=4, callbacks=[balancer], verbose=0, shuffle=False)
     assert history.history["ivy/batch_size"] == [64.0, 32.0, 16.0, 16.0]
     assert history.history["ivy/lr_factor"] == [1.0] * 4
-
-
-def test_oom_is_recovered_by_shrinking_and_replaying_the_epoch(digits: Any) -> None:
-    x, y = digits
-    data = ElasticDataset(x, y, batch_size=64, seed=5, lag=1)
-    model = _model(keras.optimizers.Adam(0.01))
-    balancer = _balancer(data, [BUSY])
-
-    class InjectOOM(keras.callbacks.Callback):
-        """Fails like a real OOM whenever a batch above 32 samples reaches epoch 1."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.failed_epoch_start: int | None = None
-
-        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            if balancer.epoch == 1 and data.batch_size_at(balancer.step) > 32:
-                self.failed_epoch_start = balancer.epoch_start_positions[1]
-                raise tf.errors.ResourceExhaustedError(None, None, "injected OOM: batch too large")
-
-    inject = InjectOOM()
-    history = fit_with_oom_recovery(model, data, balancer, epochs=3, callbacks=[inject], verbose=0)
-    h = history.history
-    assert history.epoch == [0, 1, 2]
-    assert h["ivy/batch_size"] == [64.0, 32.0, 32.0]
-    assert h["ivy/oom_count"] == [0.0, 1.0, 1.0]
-    assert h["ivy/lr_factor"] == pytest.approx([1.0, math.sqrt(0.5), math.sqrt(0.5)])
-    # The failed epoch is replayed from its first sample: one full pass (256 samples) at 32.
-    assert inject.failed_epoch_start == 256 == balancer.epoch_start_positions[1]
-    assert balancer.epoch_start_positions[2] == 512
-    with pytest.raises(ValueError, match="must be the ElasticDataset"):
-        fit_with_oom_recovery(model, ElasticDataset(x, y, batch_size=8), balancer, epochs=1)
 
 
 def test_monitoring_only_and_learning_rate_schedule(digits: Any) -> None:

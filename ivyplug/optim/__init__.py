@@ -1,4 +1,5 @@
-"""ivyplug's torch optimizers: :class:`LAMB`, its functional form :func:`lamb`, and :func:`lamb_param_groups`.
+"""ivyplug's torch optimizers: :class:`LAMB`, :class:`AsyncLAMB` (LAMB + delta averaging through the PS), the
+functional form :func:`lamb`, and :func:`lamb_param_groups`.
 
 Attributes load lazily (PEP 562), so that the registry can import :mod:`ivyplug.optim.plugin` without torch.
 """
@@ -9,14 +10,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ivyplug.optim.async_lamb import AsyncLAMB
     from ivyplug.optim.functional import lamb
     from ivyplug.optim.groups import lamb_param_groups
     from ivyplug.optim.optimizer import LAMB
 
-__all__ = ["LAMB", "lamb", "lamb_param_groups"]
+__all__ = ["LAMB", "AsyncLAMB", "lamb", "lamb_param_groups"]
 
 _LAZY: dict[str, str] = {
     "LAMB": "ivyplug.optim.optimizer:LAMB",
+    "AsyncLAMB": "ivyplug.optim.async_lamb:AsyncLAMB",
     "lamb": "ivyplug.optim.functional:lamb",
     "lamb_param_groups": "ivyplug.optim.groups:lamb_param_groups",
 }

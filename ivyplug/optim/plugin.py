@@ -16,3 +16,9 @@ def ivyplug_optimizers() -> Iterator[Optimizer]:
         framework="torch",
         description="LAMB (You et al. 2020, Alg. 2) with a clipped layer-wise trust ratio",
     )
+    yield Optimizer(
+        "async_lamb",
+        "ivyplug.optim.async_lamb:AsyncLAMB",
+        framework="torch",
+        description="LAMB with local steps; workers average their deltas through the ivyplug parameter server",
+    )

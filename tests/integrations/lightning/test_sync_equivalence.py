@@ -114,8 +114,9 @@ def test_sync_lamb_clip_steplr_equals_single_process_and_ddp() -> None:
     gradient, which is what the PS does on the servers and the reference does on the concatenated batch.
     """
     seed_everything(1)  # also Lightning's sampler seed (PL_GLOBAL_SEED)
+    # hidden=128: gradient norms around 0.5, so clipping at 0.5 acts on part of the steps (not at hidden=32)
     init = DigitsMLP(
-        hidden=32, lr=0.01, optimizer="lamb", step_lr=True, step_lr_size=1, train_size=512, batch_size=BATCH
+        hidden=128, lr=0.01, optimizer="lamb", step_lr=True, step_lr_size=1, train_size=512, batch_size=BATCH
     )
     x, y, _, _ = digits_tensors()
     expected = reference_training(init, _lamb_with_step_lr, x[:512], y[:512], 2, BATCH, world_size=2, clip=0.5, seed=1)
@@ -129,8 +130,10 @@ def test_sync_lamb_clip_steplr_equals_single_process_and_ddp() -> None:
     assert max_abs_diff(fits["ddp"], expected) <= 1e-5
     assert max_abs_diff(fits["ps"], fits["ddp"]) <= 1e-5
     assert max_abs_diff(fits["ps"], params_of(init)) > 1e-3  # it trained
-    # the StepLR mattered: without it the same training ends elsewhere
+    # the StepLR and the clipping both mattered: without either the same training ends elsewhere
     no_decay = reference_training(
         init, lambda m: (_lamb_with_step_lr(m)[0], None), x[:512], y[:512], 2, BATCH, 2, 0.5, 1
     )
     assert max_abs_diff(no_decay, expected) > 1e-4
+    no_clip = reference_training(init, _lamb_with_step_lr, x[:512], y[:512], 2, BATCH, 2, None, 1)
+    assert max_abs_diff(no_clip, expected) > 1e-4

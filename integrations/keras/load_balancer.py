@@ -81,6 +81,7 @@ from ivyplug.load import (
     Probe,
     Sampler,
     ScriptedProbe,
+    Stat,
     lr_factor,
     next_split,
     observation_from_summary,
@@ -362,9 +363,9 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         t = time.perf_counter()
         assert self.sampler is not None
         summary = self.sampler.summary()
-        if not summary:  # an epoch shorter than the sampling interval
-            self.sampler.sample_now()
-            summary = self.sampler.summary()
+        if not summary:  # an epoch shorter than the sampling interval: the latest background reading
+            latest = self.sampler.latest() or self.sampler.sample_now()  # reads on this thread only before any
+            summary = {k: Stat(v, v, v, v, 1) for k, v in latest.items()}
         local = observation_from_summary(summary, self.device_index, self._epoch_ooms)
         workers = self._exchange(local)
         observation = _combine(workers)

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "lamb": "ivyplug.benchmarks.lamb",
     "balance": "ivyplug.benchmarks.balance",
     "ps": "ivyplug.benchmarks.ps",
+    "keras_overhead": "ivyplug.benchmarks.keras_overhead",
 }
 
 

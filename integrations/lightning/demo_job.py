@@ -208,6 +208,8 @@ def fit_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any] | None:
         "epoch_times": epochs.times,
         "val_acc": clock.points[-1][1] if clock.points else None,
         "shares": [h["next_shares"] for h in balancer.history] if balancer else None,
+        "share_targets": [h["target_shares"] for h in balancer.history] if balancer else None,
+        "step_models": [h["step_models"] for h in balancer.history] if balancer else None,
         "ivy_metrics": {k: v for k, v in sorted(metrics.items()) if k.startswith("ivy/")},
     }
 

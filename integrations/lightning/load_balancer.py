@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -141,7 +142,7 @@ class IvyLoadBalancer(Callback):
         self.policy_state = PolicyState()
         self.lr_factor = 1.0
         self.oom_count = 0
-        # per rank: (mean samples per step, mean compute seconds per step) of every balanced epoch, oldest first
+        # per rank: (median samples per step, median compute seconds per step) of every balanced epoch, oldest first
         self.step_observations: list[list[tuple[float, float]]] = []
         self.previous_shares: list[int] | None = None  # the shares before the current ones (damping)
         self.share_gain = 1.0  # fraction of the way to the target share taken per epoch (damping)
@@ -302,6 +303,8 @@ class IvyLoadBalancer(Callback):
     # ------------------------------------------------------------------ per step
     def _reset_epoch(self) -> None:
         self._epoch_compute = 0.0
+        self._step_computes: list[float] = []  # per step of this epoch, for the median the share fit uses
+        self._step_shares: list[int] = []
         self._epoch_samples = 0
         self._epoch_steps = 0
         self._epoch_ooms = 0
@@ -359,7 +362,10 @@ class IvyLoadBalancer(Callback):
         end = self._hook_state.last_bucket_time if self._hook_state is not None else None
         if end is None:
             end = self._t_backward if self._t_backward is not None else now
-        self._epoch_compute += max(end - self._t0, 0.0)
+        compute = max(end - self._t0, 0.0)
+        self._epoch_compute += compute
+        self._step_computes.append(compute)
+        self._step_shares.append(self._step_samples)
         self._epoch_samples += self._step_samples
         self._epoch_steps += 1
         self.steps += 1
@@ -416,12 +422,12 @@ class IvyLoadBalancer(Callback):
         history: list[list[tuple[float, float]]] = [list(h) for h in self.step_observations]
         previous, gain, target, models = self.previous_shares, self.share_gain, None, None
         if self._world > 1 and self.monitoring_only is None:
-            measured = all(r["samples"] > 0 and r["compute_time"] > 0 and r["steps"] > 0 for r in records)
+            measured = all(r["step_share"] > 0 and r["step_time"] > 0 for r in records)
             if self.balance_shares and measured:
                 if len(history) != self._world:
                     history = [[] for _ in range(self._world)]
-                for r in records:  # the coordinate is the mean local batch: partial last steps are counted as run
-                    history[r["rank"]].append((r["samples"] / r["steps"], r["compute_time"] / r["steps"]))
+                for r in records:  # median local batch and median compute seconds per step of the epoch
+                    history[r["rank"]].append((float(r["step_share"]), float(r["step_time"])))
                     del history[r["rank"]][: -4 * self.share_window]  # bounded history
                 step = next_shares(new, self.shares, previous, history, gain, window=self.share_window)
                 shares, gain, target = step.shares, step.gain, step.target
@@ -460,6 +466,9 @@ class IvyLoadBalancer(Callback):
             "compute_time": self._epoch_compute,
             "samples": self._epoch_samples,
             "steps": self._epoch_steps,
+            # medians, not means: on a shared machine a few preempted steps would tilt the step-time fit
+            "step_share": statistics.median(self._step_shares) if self._step_shares else 0.0,
+            "step_time": statistics.median(self._step_computes) if self._step_computes else 0.0,
             "utilization": obs.utilization,
             "memory_fraction": obs.memory_fraction,
             "oom_count": self._epoch_ooms,

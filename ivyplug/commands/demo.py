@@ -185,6 +185,11 @@ def format_table(results: dict[str, Any]) -> str:
         detail = r["note"]
         if r.get("shares"):
             detail += f"; shares of the 512-sample global batch per epoch: {r['shares']}"
+        if r.get("step_models") and r["step_models"][-1]:
+            fits = ", ".join(
+                f"w{i} {1e3 * a:.1f} ms + {1e6 * c:.0f} us/sample" for i, (a, c) in enumerate(r["step_models"][-1])
+            )
+            detail += f"; last fitted step compute time t(b) = a + c*b: {fits}"
         lines.append(f"- {r['label']}: {detail}")
     load = results["loadavg_before"][0], results["loadavg_after"][0]
     lines.append(

@@ -19,6 +19,11 @@ several shares removes that bias.
   single-sample moves from the slowest rank while the receiver ends below the donor's time. That stop
   rule is exact: if the slowest rank i (time M) cannot give a sample to any j with a_j + c_j(b_j+1) < M,
   any allocation with a smaller maximum would have to lower b_i and so raise some b_j past b_j + 1.
+- :func:`trust_bounds` keeps each rank's target within a factor (2) of the shares it was measured at: a
+  line through two noisy points may claim a large fixed cost and send a share to 1 in one epoch; with the
+  bound, such a move takes several measured epochs, each of which corrects the fit. The min-max solution
+  stays exact inside the bounds (the fix-up argument holds with donors above their lower and receivers
+  below their upper bound).
 - :func:`damped_shares` moves from the current shares towards the target. A full step is taken while
   the direction of the move holds; when the target reverses the previous move (an overshoot), the step
   gain halves (at most half way, then a quarter, ...) and grows back by 1.5× per consistent epoch. The
@@ -35,7 +40,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: Observations of one rank: (mean samples per step, mean compute seconds per step), oldest first.
+#: Observations of one rank: (samples per step, compute seconds per step) of one epoch each, oldest first.
 Observation = tuple[float, float]
 
 
@@ -172,61 +177,103 @@ def _check_models(batch_size: int, models: Sequence[StepTimeModel]) -> None:
             raise ValueError(f"models[{i}] needs intercept >= 0 and slope > 0 (finite), got {m!r}")
 
 
-def water_level(batch_size: int, models: Sequence[StepTimeModel]) -> list[float]:
-    """Continuous shares x_i >= 1 with Σ x_i = B and equal predicted time for every rank above the floor."""
+Bounds = Sequence[tuple[int, int]]
+
+
+def _check_bounds(batch_size: int, n: int, bounds: Bounds | None) -> list[tuple[int, int]]:
+    if bounds is None:
+        return [(1, batch_size)] * n
+    if len(bounds) != n:
+        raise ValueError(f"bounds must hold one (low, high) pair per worker ({n}), got {len(bounds)}")
+    out = []
+    for i, (low, high) in enumerate(bounds):
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise ValueError(f"bounds[{i}] must be integers 1 <= low <= high, got {(low, high)!r}")
+        out.append((low, min(high, batch_size)))
+    if sum(lo for lo, _ in out) > batch_size or sum(hi for _, hi in out) < batch_size:
+        raise ValueError(f"bounds {out} admit no shares summing to batch_size={batch_size}")
+    return out
+
+
+def water_level(batch_size: int, models: Sequence[StepTimeModel], bounds: Bounds | None = None) -> list[float]:
+    """Continuous shares x_i in [low_i, high_i] (default [1, B]) with Σ x_i = B and equal predicted time for
+    every rank not held at a bound."""
     _check_models(batch_size, models)
+    box = _check_bounds(batch_size, len(models), bounds)
 
-    def total(level: float) -> float:
-        return sum(max(1.0, (level - m.intercept) / m.slope) for m in models)
+    def shares_at(level: float) -> list[float]:
+        return [min(hi, max(lo, (level - m.intercept) / m.slope)) for m, (lo, hi) in zip(models, box, strict=True)]
 
-    lo = min(m.predict(1.0) for m in models)
-    hi = max(m.predict(float(batch_size)) for m in models)
-    for _ in range(200):  # total() is continuous and non-decreasing: bisection to machine precision
+    lo = min(m.predict(b[0]) for m, b in zip(models, box, strict=True))
+    hi = max(m.predict(b[1]) for m, b in zip(models, box, strict=True))
+    for _ in range(200):  # the total is continuous and non-decreasing in the level: bisection to machine precision
         mid = 0.5 * (lo + hi)
-        if total(mid) < batch_size:
+        if sum(shares_at(mid)) < batch_size:
             lo = mid
         else:
             hi = mid
         if hi - lo <= 1e-15 * max(1.0, hi):
             break
-    return [max(1.0, (hi - m.intercept) / m.slope) for m in models]
+    return shares_at(hi)
 
 
-def round_shares(batch_size: int, ideal: Sequence[float]) -> list[int]:
-    """Largest-remainder rounding of ``ideal`` (Σ ≈ B) to integers >= 1 that sum to exactly ``batch_size``."""
+def round_shares(batch_size: int, ideal: Sequence[float], bounds: Bounds | None = None) -> list[int]:
+    """Largest-remainder rounding of ``ideal`` (Σ ≈ B) to integers in the bounds (default >= 1) summing to B."""
     n = len(ideal)
     if n == 0 or batch_size < n:
         raise ValueError(f"batch_size ({batch_size}) must be at least the number of workers ({n}), which must be >= 1")
-    shares = [max(1, math.floor(x)) for x in ideal]
-    while sum(shares) > batch_size:  # floors lifted to 1 can overshoot B: take from the most over-served share
-        donor = max((j for j in range(n) if shares[j] > 1), key=lambda j: (shares[j] - ideal[j], shares[j], -j))
+    box = _check_bounds(batch_size, n, bounds)
+    shares = [min(hi, max(lo, math.floor(x))) for x, (lo, hi) in zip(ideal, box, strict=True)]
+    while sum(shares) > batch_size:  # floors lifted to a bound can overshoot B: take from the most over-served
+        donor = max((j for j in range(n) if shares[j] > box[j][0]), key=lambda j: (shares[j] - ideal[j], -j))
         shares[donor] -= 1
-    order = sorted(range(n), key=lambda i: (-(ideal[i] - shares[i]), i))
-    k = 0
     while sum(shares) < batch_size:
-        shares[order[k % n]] += 1
-        k += 1
+        receiver = max((j for j in range(n) if shares[j] < box[j][1]), key=lambda j: (ideal[j] - shares[j], -j))
+        shares[receiver] += 1
     return shares
 
 
-def min_max_shares(batch_size: int, models: Sequence[StepTimeModel]) -> list[int]:
-    """Integer shares (each >= 1, summing to B) minimising the largest predicted step time."""
-    ideal = water_level(batch_size, models)
+def min_max_shares(batch_size: int, models: Sequence[StepTimeModel], bounds: Bounds | None = None) -> list[int]:
+    """Integer shares (each in its bounds, default >= 1, summing to B) minimising the largest predicted step time."""
+    box = _check_bounds(batch_size, len(models), bounds)
+    ideal = water_level(batch_size, models, box)
     n = len(models)
-    shares = round_shares(batch_size, ideal)
+    shares = round_shares(batch_size, ideal, box)
     # local fix-up: move single samples off the slowest rank while the receiver ends faster than the donor was
     for _ in range(batch_size * n + n):
         times = [m.predict(s) for m, s in zip(models, shares, strict=True)]
         slow = max(range(n), key=lambda i: (times[i], -i))
-        if shares[slow] <= 1:
+        if shares[slow] <= box[slow][0]:
             break
-        after = [models[j].predict(shares[j] + 1) if j != slow else math.inf for j in range(n)]
+        after = [
+            models[j].predict(shares[j] + 1) if j != slow and shares[j] < box[j][1] else math.inf for j in range(n)
+        ]
         best = min(range(n), key=lambda j: (after[j], j))
         if not after[best] < times[slow]:
             break
         shares[slow] -= 1
         shares[best] += 1
     return shares
+
+
+def trust_bounds(
+    batch_size: int, histories: Sequence[Sequence[Observation]], window: int, factor: float
+) -> list[tuple[int, int]] | None:
+    """Per rank [min measured share / factor, max measured share · factor]: how far a fit may be extrapolated.
+
+    A line through two noisy points can put a large intercept on a rank and send its share to 1 (or to
+    all of B) in one epoch; bounding the extrapolation makes such a jump take several measured epochs.
+    None when the bounds cannot hold B (the global batch changed a lot): then the fit alone decides.
+    """
+    if not factor > 1.0:
+        raise ValueError(f"factor must be > 1, got {factor!r}")
+    box = []
+    for h in histories:
+        shares = [b for b, _ in recent_distinct(h, window)]
+        box.append((max(1, math.floor(min(shares) / factor)), max(1, math.ceil(max(shares) * factor))))
+    if sum(lo for lo, _ in box) > batch_size or sum(min(hi, batch_size) for _, hi in box) < batch_size:
+        return None
+    return box
 
 
 def damped_shares(
@@ -285,14 +332,15 @@ def next_shares(
     gain: float = 1.0,
     *,
     window: int = 4,
+    trust: float = 2.0,
 ) -> ShareDecision:
     """Fit every rank's step time, solve the min-max shares for ``batch_size``, and take a damped step.
 
-    ``histories[i]`` are rank i's (mean samples per step, mean compute seconds per step) per epoch, oldest first.
+    ``histories[i]`` are rank i's (samples per step, compute seconds per step), one pair per epoch, oldest first.
     """
     if len(histories) != len(current):
         raise ValueError(f"histories must hold one list per worker ({len(current)}), got {len(histories)}")
     models = fit_all(histories, window=window)
-    target = min_max_shares(batch_size, models)
+    target = min_max_shares(batch_size, models, trust_bounds(batch_size, histories, window, trust))
     shares, gain = damped_shares(batch_size, current, target, previous, gain)
     return ShareDecision(shares=shares, target=target, gain=gain, models=models)

@@ -18,6 +18,7 @@ from ivyplug.load.share_model import (
     next_shares,
     recent_distinct,
     round_shares,
+    trust_bounds,
     water_level,
 )
 
@@ -117,6 +118,42 @@ def test_min_max_shares_equal_brute_force_optimum() -> None:
         assert _max_time(models, shares) == pytest.approx(best, rel=1e-12, abs=1e-15)
 
 
+def test_bounded_min_max_shares_equal_brute_force_optimum() -> None:
+    rng = np.random.default_rng(19)
+    tested = 0
+    for _ in range(200):
+        n = int(rng.integers(2, 4))
+        batch = int(rng.integers(n, 20))
+        models = _random_models(rng, n)
+        bounds = []
+        for _ in range(n):
+            low = int(rng.integers(1, 5))
+            bounds.append((low, low + int(rng.integers(0, 12))))
+        feasible = [c for c in itertools.product(*(range(lo, hi + 1) for lo, hi in bounds)) if sum(c) == batch]
+        if not feasible:
+            with pytest.raises(ValueError, match="bounds"):
+                min_max_shares(batch, models, bounds)
+            continue
+        tested += 1
+        shares = min_max_shares(batch, models, bounds)
+        assert sum(shares) == batch and all(lo <= s <= hi for s, (lo, hi) in zip(shares, bounds, strict=True))
+        best = min(_max_time(models, list(c)) for c in feasible)
+        assert _max_time(models, shares) == pytest.approx(best, rel=1e-12, abs=1e-15)
+    assert tested > 50
+
+
+def test_trust_bounds_limit_extrapolation() -> None:
+    histories = [[(256.0, 0.2), (394.0, 0.25)], [(256.0, 0.6), (118.0, 0.55)]]
+    assert trust_bounds(512, histories, 4, 2.0) == [(128, 788), (59, 512)]
+    assert trust_bounds(8, [[(1.0, 1.0)], [(7.0, 1.0)]], 4, 2.0) == [(1, 2), (3, 14)]
+    assert trust_bounds(100, [[(256.0, 1.0)], [(256.0, 1.0)]], 4, 2.0) is None  # B fell below the bounds
+    # a two-point fit that claims a huge fixed cost on rank 1 moves its share at most to half its lowest
+    step = next_shares(512, [394, 118], [256, 256], histories, 1.0)
+    assert step.target == [453, 59]
+    with pytest.raises(ValueError, match="factor"):
+        trust_bounds(512, histories, 4, 1.0)
+
+
 def test_min_max_shares_on_large_batches_against_a_greedy_reference() -> None:
     """Greedy (each next sample to the rank that stays fastest) is optimal for min-max with increasing costs."""
     rng = np.random.default_rng(17)
@@ -191,7 +228,8 @@ def test_converges_to_the_optimum_when_fixed_costs_differ() -> None:
     models = [StepTimeModel(a, c, True) for a, c in truth]
     best = min_max_shares(512, models)
     seen = _simulate(truth, 6)
-    assert seen[2] == best and seen[-1] == best  # two epochs: one proportional guess, then the fitted line
+    assert seen[1][1] == 128  # the proportional first guess would be lower: held at half the measured share
+    assert seen[4] == best and seen[-1] == best  # the trust region halves the share per epoch, then the fit lands
     slow = [s[1] for s in seen]
     assert all(x >= y for x, y in itertools.pairwise(slow))  # monotone: no overshoot, no oscillation
 

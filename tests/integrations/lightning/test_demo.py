@@ -61,6 +61,7 @@ def test_quick_demo_prints_table_for_every_run(quick_run: tuple[subprocess.Compl
     assert sum("epoch " in line and "val_acc=" in line for line in lines) == 2 * len(demo.RUN_NAMES)
     assert sum("workers connected" in line for line in lines) == len(demo.RUN_NAMES)
     assert "no IvyLoadBalancer: under async" in result.stdout
+    assert "last fitted step compute time t(b) = a + c*b: w0 " in result.stdout
 
 
 @pytest.mark.timeout(280)
@@ -82,6 +83,8 @@ def test_quick_demo_writes_png_and_json(quick_run: tuple[subprocess.CompletedPro
         assert len(times) == data["epochs"] and times == sorted(times) and times[-1] <= r["fit_seconds"]
         assert r["samples_per_s"] == pytest.approx(r["epochs"] * r["train_samples"] / r["fit_seconds"])
     assert runs["ivy_ps_sync_lb"]["balancer"] and all(sum(s) == 512 for s in runs["ivy_ps_sync_lb"]["shares"])
+    models = runs["ivy_ps_sync_lb"]["step_models"]  # per epoch, per worker: the fitted [a seconds, c seconds/sample]
+    assert len(models) == data["epochs"] and all(len(m) == 2 and all(a >= 0 < c for a, c in m) for m in models)
     assert not runs["ivy_ps_async"]["balancer"]
     for r in runs.values():  # every sample trained once per epoch, whoever trained it
         assert sum(r["samples_per_worker"]) == r["epochs"] * r["train_samples"] and min(r["samples_per_worker"]) > 0

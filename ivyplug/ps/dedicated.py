@@ -4,7 +4,8 @@ Rank 0 starts k server processes on its host. Workers and servers meet in a gloo
 ``ProcessGroupGloo`` over a ``PrefixStore`` on a fresh ``TCPStore`` (``new_group`` only accepts ranks
 of the default world, and the servers are not in it): workers are ranks ``0..W-1`` of that group,
 server j is rank ``W + j`` and serves shard j. They speak the messages of messages.py; a server ends
-after a BYE from every worker and every other server, and exits by itself if rank 0 dies.
+after a BYE from every worker and every other server, is terminated when rank 0's interpreter exits
+without closing the PS (daemonic children), and exits by itself if rank 0 dies (a parent watchdog).
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def launch(
             target=serve,
             args=(host, port, num_workers, j, cfg, list(specs), spec, blob, os.getpid()),
             name=f"ivyplug-ps-server-{j}",
-            daemon=False,
+            # daemonic: if rank 0's interpreter exits without close() (an exception in user code), its
+            # multiprocessing atexit hook terminates the servers; a non-daemon child would be joined
+            # there forever, since a server only ends after every worker's BYE
+            daemon=True,
         )
         p.start()
         procs.append(p)

@@ -82,5 +82,17 @@ def dedicated_job() -> None:
     time.sleep(300)
 
 
+def dedicated_job_without_close() -> None:
+    """Rank 0 of a one-worker job with one dedicated server raises before close(): it must still exit."""
+    model, opt = _model()
+    client = PSClient.start(PSConfig(mode="sync", num_servers=1, timeout=60.0), list(model.named_parameters()), [], opt)
+    client.pull_initial()
+    print("SERVERS " + " ".join(str(p.pid) for p in client.server_procs), flush=True)
+    raise RuntimeError("user code failed before close()")
+
+
 if __name__ == "__main__":
-    dedicated_job()
+    if sys.argv[1:] == ["without-close"]:
+        dedicated_job_without_close()
+    else:
+        dedicated_job()

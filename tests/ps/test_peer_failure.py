@@ -14,6 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -64,13 +67,22 @@ def test_killed_colocated_peer_fails_the_step_naming_it_and_the_survivor_exits(t
     assert result["destroy_seconds"] < 10.0
 
 
-@pytest.mark.timeout(200)
-def test_dedicated_servers_exit_when_rank0_is_killed() -> None:
-    """num_servers=1: SIGKILL the job's rank 0 (no teardown); its server process ends within a few
-    seconds, saying why on stderr. Before that, a push the server refuses fails at once with its error."""
+@dataclass
+class Job:
+    """A one-worker dedicated-server job in a subprocess (tests.ps.failure_scenarios)."""
+
+    proc: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)  # stdout up to the SERVERS line
+    servers: list[int] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)  # complete once every holder of the pipe exited
+
+
+@contextmanager
+def dedicated_job(*args: str) -> Iterator[Job]:
+    """Start the job, wait for its server pids; on the way out kill whatever is left (also on failure)."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    job = subprocess.Popen(
-        [sys.executable, "-m", "tests.ps.failure_scenarios"],
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.ps.failure_scenarios", *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -78,39 +90,60 @@ def test_dedicated_servers_exit_when_rank0_is_killed() -> None:
         text=True,
         start_new_session=True,  # the server joins its process group: one killpg cleans up on failure
     )
-    stderr: list[str] = []
-    reader = threading.Thread(target=lambda: stderr.append(job.stderr.read() if job.stderr else ""), daemon=True)
+    job = Job(proc)
+    reader = threading.Thread(target=lambda: job.stderr.append(proc.stderr.read() if proc.stderr else ""))
+    reader.daemon = True
     reader.start()
-    servers: list[int] = []
     try:
-        line = ""
-        lines: list[str] = []
         deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and job.stdout is not None:
-            line = job.stdout.readline()
-            lines.append(line)
+        line = ""
+        while time.monotonic() < deadline and proc.stdout is not None:
+            line = proc.stdout.readline()
+            job.lines.append(line)
             if not line or line.startswith("SERVERS"):
                 break
-        assert line.startswith("SERVERS"), f"the job did not start its server: {lines}"
+        assert line.startswith("SERVERS"), f"the job did not start its server: {job.lines}"
+        job.servers = [int(x) for x in line.split()[1:]]
+        assert len(job.servers) == 1 and not _gone(job.servers[0])
+        yield job
+        reader.join(10)  # every holder of the stderr pipe (the job, its server) is gone: EOF
+    finally:
+        for pid in job.servers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _wait_gone(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.1)
+    return all(_gone(p) for p in pids)
+
+
+@pytest.mark.timeout(200)
+def test_dedicated_servers_exit_when_rank0_is_killed() -> None:
+    """num_servers=1: SIGKILL the job's rank 0 (no teardown); its server process ends within a few
+    seconds, saying why on stderr. Before that, a push the server refuses fails at once with its error."""
+    with dedicated_job() as job:
         # the refused push came back as an error reply at once (not a PSTimeoutError after 60 s)
-        refused = json.loads(next(x for x in lines if x.startswith("ERROR_REPLY")).split(" ", 1)[1])
+        refused = json.loads(next(x for x in job.lines if x.startswith("ERROR_REPLY")).split(" ", 1)[1])
         assert refused["type"] == "PSProtocolError", refused
         assert "failed while answering a malformed push" in refused["error"], refused
         assert refused["seconds"] < 30, refused
-        servers = [int(x) for x in line.split()[1:]]
-        assert len(servers) == 1 and not _gone(servers[0])
-        os.kill(job.pid, signal.SIGKILL)
-        job.wait(10)
-        deadline = time.monotonic() + 10.0  # the watchdog polls once a second
-        while time.monotonic() < deadline and not all(_gone(p) for p in servers):
-            time.sleep(0.1)
-        assert all(_gone(p) for p in servers), "a dedicated server outlived its rank 0"
-        reader.join(10)  # the server held the stderr pipe: EOF once it is gone
-        assert "dedicated server: rank 0 is gone, exiting" in "".join(stderr)
-    finally:
-        for pid in servers:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait(10)
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.proc.wait(10)
+        assert _wait_gone(job.servers, 10.0), "a dedicated server outlived its rank 0"  # watchdog: every 1 s
+    assert "dedicated server: rank 0 is gone, exiting" in "".join(job.stderr)
+
+
+@pytest.mark.timeout(200)
+def test_rank0_that_fails_before_close_still_exits_and_ends_its_servers() -> None:
+    """Rank 0 raises without calling close(): its interpreter exits (the servers are daemonic children,
+    terminated at exit, not joined while they wait for a BYE that never comes) and no server is left."""
+    with dedicated_job("without-close") as job:
+        assert job.proc.wait(60) == 1
+        assert _wait_gone(job.servers, 10.0), "a dedicated server outlived its rank 0"
+    assert "user code failed before close()" in "".join(job.stderr)

@@ -16,7 +16,8 @@ Epoch 0 of every fit (tracing) is dropped. Per measured epoch:
   ``perf_counter``), summed, over the summed wall time of the steps (``on_train_batch_begin`` to
   ``on_train_batch_end`` as seen by a timing callback).
 * ``epoch_ratio``: median epoch time with the callback / without it (everything the callback costs,
-  its sampler thread included; noisy on a shared machine, so read it with the load average).
+  its sampler thread included; the two fits alternate their order per round; noisy on a shared
+  machine, so read it with the load average).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def measure(
         ratios: list[float] = []
         step_s: list[float] = []
         for r in range(rounds):
-            for with_callback in (False, True):
+            for with_callback in (False, True) if r % 2 == 0 else (True, False):  # no order bias
                 data = ElasticDataset(x, y, batch_size=256, seed=r)
                 scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
                 with scope:

@@ -40,23 +40,34 @@ gradients are summed weighted by micro-batch size and applied once
 the same update as the step that failed; no batch is lost and ``fit`` goes on. Another OOM doubles ``k``
 up to ``oom_max_parts`` (and at most the replica's slice size), then
 :class:`~ivyplug.load.OutOfMemoryRecoveryError` says how far it went. Later steps with a batch at least as
-large as the failed one are run split with the ``k`` that worked (taken from the iterator eagerly,
-without a failed attempt first). At the epoch's end the policy sees the epoch's OOM count and lowers B
-(ignoring the cooldown, and B does not grow back above that size); the new size reaches the model
+large as the failed one start from the ``k`` that worked. On one device they first run whole (Keras's own
+call takes the batch from the iterator) and are split only if that fails again. Under ``MirroredStrategy``
+the distributed iterator can be out of step after a failed call (it may have handed one replica its
+element and not the other: observed here as a later step feeding one replica the previous step's larger
+slice), so for the rest of that ``fit`` every batch is built from the :class:`ElasticDataset` by its index
+and run by the callback, whole or split. At the epoch's end the policy sees the epoch's OOM count (OOMs
+at a size already scheduled to shrink do not count again) and lowers B (ignoring the cooldown, and B
+does not grow back above that size); the new size reaches the model
 ``lag`` steps later, like any change, and the LR is rescaled then. ``ivy/oom_count`` counts the OOM
 errors met so far; :attr:`IvyLoadBalancer.recovered_steps` lists ``(step, parts)`` of each split step.
 
 Where the step cannot be split, an OOM still stops ``fit``, as an ``OutOfMemoryRecoveryError`` that says
-why (chained to the original error): a monitoring-only callback (no ``ElasticDataset``: the failed batch
-cannot be rebuilt) leaves the error untouched; ``steps_per_execution > 1`` (one call runs several
-batches, some of which may already have changed the weights); a model that overrides ``train_step``;
-another Keras version or backend. Under MultiWorkerMirroredStrategy the error is local to one worker
+why (raised ``from`` the original error, though Keras's traceback filtering drops that link; set
+``keras.config.disable_traceback_filtering()`` to keep it): a monitoring-only callback (no
+``ElasticDataset``: the failed batch cannot be rebuilt) leaves the error untouched;
+``steps_per_execution > 1`` (one call runs several batches, some of which may already have changed the
+weights); a model that overrides ``train_step``; another Keras version or backend. Under
+MultiWorkerMirroredStrategy the error is local to one worker
 while its peers wait in the step's all-reduce (and after the failed worker leaves they block for good:
 the test file ``tests/integrations/keras/test_mwms.py`` notes that a lone MWMS worker ignores SIGTERM);
 a split step would have to be agreed on by every worker before any of them starts it, and a worker that
 did not fail has no way to learn that another one did, so recovery is refused there with that reason.
-A failed attempt may have updated the loss tracker before the error, so that epoch's running ``loss``
-can include a part of it; the weights, the optimizer state and the data seen do not.
+A failed attempt may have run state updates that do not wait for the data: the optimizer's iteration
+counter (the callback resets it to its count of completed steps before the split step), random seed
+generators (Dropout masks then differ from an uninterrupted run), and the loss tracker if the OOM hit
+the backward pass (that epoch's running ``loss`` can include a part of the failed attempt). The weights,
+the optimizer slots and the data seen are those of one step on the whole batch. Per step, the guard
+costs one extra Python call and an integer increment.
 """
 
 from __future__ import annotations

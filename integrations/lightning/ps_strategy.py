@@ -58,6 +58,10 @@ _CHECKED_LIGHTNING = ("2.4.", "2.5.", "2.6.")
 class IvyPSStrategy(DDPStrategy):
     """Parameter-server training for Lightning: ``Trainer(strategy=IvyPSStrategy(mode="async"))``.
 
+    The servers run the module's optimizer on pushed gradients. With :class:`ivyplug.optim.AsyncLAMB` the
+    workers step locally instead and exchange deltas every ``sync_every`` steps (the servers run its outer
+    SGD); before validation, checkpoints and the end of fit every worker flushes its delta and pulls.
+
     Args:
         mode: ``"async"`` (default: each push applied on arrival), ``"sync"`` (every worker's gradient of
             a step combined, weighted by its sample count: the same math as DDP) or ``"ssp"``.
@@ -136,6 +140,7 @@ class IvyPSStrategy(DDPStrategy):
         )
         self._client: Any = None
         self._samples_since_step = 0
+        self._local_steps = False  # the optimizer steps locally and exchanges deltas (AsyncLAMB)
         self._clip_norm: float | None = None
         self._in_train_batch = False
         self._metrics_logger: PSMetricsLogger | None = None
@@ -211,19 +216,29 @@ class IvyPSStrategy(DDPStrategy):
             raise ValueError(
                 "IvyPSStrategy does not support loss scaling (precision='16-mixed'); use 'bf16-mixed' or 32"
             )
+        from ivyplug.optim import AsyncLAMB
         from ivyplug.ps import PSClient
 
+        optimizer = self.optimizers[0]
+        # AsyncLAMB steps locally and pushes deltas every sync_every steps; the servers run its outer SGD
+        self._local_steps = isinstance(optimizer, AsyncLAMB)
+        served = (
+            optimizer.outer_optimizer(self.mode, self.world_size) if isinstance(optimizer, AsyncLAMB) else optimizer
+        )
         self._client = PSClient.start(
             self.ps_config,
             params=list(module.named_parameters()),
             buffers=list(module.named_buffers()),
-            optimizer=self.optimizers[0],
+            optimizer=served,
             rank=self.global_rank,
             world_size=self.world_size,
         )
         self._client.pull_initial()
+        if isinstance(optimizer, AsyncLAMB):
+            optimizer.attach(self._client)
         self._samples_since_step = 0
-        self._install_clip_recorder()
+        if not self._local_steps:  # AsyncLAMB's local steps clip locally, as Lightning does
+            self._install_clip_recorder()
         # the gathered per-rank PS metrics are identical on every rank: no sync_dist needed
         warnings.filterwarnings("ignore", message=r".*self\.log\('ivy/rank\d+/.*sync_dist=True")
         self._metrics_logger = PSMetricsLogger(self)
@@ -339,6 +354,9 @@ class IvyPSStrategy(DDPStrategy):
         """Closure (forward, backward, before-step hooks), then push gradients and pull parameters."""
         if self._client is None:
             raise RuntimeError("IvyPSStrategy.optimizer_step called outside fit (no PS client)")
+        if self._local_steps:  # AsyncLAMB: a local step; the optimizer exchanges with the PS itself
+            self._samples_since_step = 0
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model if model is not None else self.lightning_module
         self._clip_norm = None
         closure_result = self.precision_plugin._wrap_closure(model, optimizer, closure)
@@ -353,9 +371,18 @@ class IvyPSStrategy(DDPStrategy):
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     # ------------------------------------------------------------------ global model at meeting points
+    def _async_lamb(self) -> Any:
+        """The AsyncLAMB being trained with (it flushes and re-snapshots at meeting points), else None."""
+        return self.optimizers[0] if self._local_steps and self.optimizers else None
+
     def _sync(self) -> None:
         if self._client is not None:
+            optimizer = self._async_lamb()
+            if optimizer is not None:
+                optimizer.flush()  # local progress since the last exchange goes to the servers first
             self._client.sync()
+            if optimizer is not None:
+                optimizer.reset_snapshot()  # the next delta is measured from the global copy just pulled
 
     def on_validation_start(self) -> None:
         self._sync()
@@ -415,3 +442,6 @@ class IvyPSStrategy(DDPStrategy):
             raise RuntimeError("IvyPSStrategy.load_optimizer_state_dict called before the PS client started")
         self.optimizers[0].load_state_dict(state["worker_optimizer"])
         self._client.load_state_dict(state[CHECKPOINT_KEY])  # collective; ends with every rank pulling
+        optimizer = self._async_lamb()
+        if optimizer is not None:
+            optimizer.reset_snapshot()

@@ -4,22 +4,14 @@ Each worker takes ``sync_every`` (H) local LAMB steps from the global copy it la
 delta Δ = x_local − x_pulled; the servers merge it as it arrives, ``x ← x + merge_rate · Δ``, and the worker
 continues from the fresh global copy (local SGD / DiLoCo with an SGD outer step; BRIEF §4). LAMB suits this:
 its layer-wise trust ratio, clipped to ``max_trust_ratio``, bounds how far one local step, and so one stale
-delta of H steps, can move a layer relative to its norm.
+delta of H steps, can move a layer relative to its norm. The exchange and its rules (merge rates per mode,
+staleness scaling, non-finite deltas) are :mod:`ivyplug.ps.delta_exchange`'s.
 
-The merge runs on the existing PS machinery: the servers mirror an *outer* optimizer, plain SGD with
-``lr = merge_rate`` over the same parameters, and the worker pushes the pseudo-gradient x_pulled − x_local
-(= −Δ). So every PS rule holds unchanged: sync mode combines the workers' deltas weighted by their local
-step counts (their mean, for equal H) before one merge; async/ssp merge each delta on arrival, scaled by
-1/τ when stale (``staleness_scaling="inverse"``); buffers follow the PS buffer rule at every exchange.
-
-``merge_rate=None`` picks 1.0 in sync mode (the global copy moves by the mean delta, as one big step of
-all workers together) and 1/num_workers in async/ssp (after every worker pushed once, the global copy moved
-by the mean of their deltas). Not attached to a PS, AsyncLAMB is LAMB (one worker, nothing to average).
+Not attached to a PS, AsyncLAMB is LAMB (one worker, nothing to average).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,23 +19,10 @@ import torch
 from torch import Tensor
 
 from ivyplug.optim.optimizer import LAMB
+from ivyplug.ps.delta_exchange import DeltaExchange, check_merge_rate, check_sync_every
 
 if TYPE_CHECKING:
     from ivyplug.ps import PSClient, PSConfig
-
-
-def _check_sync_every(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"sync_every must be an int >= 1 (local steps between exchanges), got {value!r}")
-    return value
-
-
-def _check_merge_rate(value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"merge_rate must be None or a finite number > 0, got {value!r}")
-    return float(value)
 
 
 class AsyncLAMB(LAMB):
@@ -52,7 +31,7 @@ class AsyncLAMB(LAMB):
     Args: LAMB's (see :class:`~ivyplug.optim.LAMB`), plus
         sync_every: local steps between two exchanges with the PS (H >= 1; H = 1 pushes after every step).
         merge_rate: how much of a pushed delta the servers apply; ``None``: 1.0 in sync mode, 1/num_workers
-            in async/ssp (see the module docstring).
+            in async/ssp (see :mod:`ivyplug.ps.delta_exchange`).
 
     Example:
         >>> import torch
@@ -60,12 +39,15 @@ class AsyncLAMB(LAMB):
         >>> from ivyplug.ps import PSConfig
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = AsyncLAMB(model.parameters(), lr=1e-2, sync_every=4)
-        >>> client = opt.start_ps(PSConfig(mode="async"), list(model.named_parameters()))  # doctest: +SKIP
-        >>> # training loop: loss.backward(); opt.step(); opt.zero_grad() -- every 4th step exchanges
-        >>> opt.flush(); client.sync(); client.close()  # doctest: +SKIP
+        >>> client = opt.start_ps(PSConfig(mode="async"), list(model.named_parameters()))
+        >>> loss = model(torch.randn(8, 4)).square().mean()
+        >>> loss.backward(); opt.step(); opt.zero_grad()  # every 4th step exchanges with the PS
+        >>> opt.flush(); client.sync(); client.close()
+        >>> opt.exchanges
+        1
 
-    ``exchanges`` counts pushes; ``discarded_exchanges`` counts deltas that were not finite and were replaced
-    by a zero delta (the worker then restarts from the global copy: nothing non-finite reaches the servers).
+    Under ``Trainer(strategy="ivy_ps")`` the strategy does the wiring. ``exchanges`` counts pushes;
+    ``discarded_exchanges`` counts non-finite deltas that were pushed as zero.
     """
 
     def __init__(
@@ -84,8 +66,8 @@ class AsyncLAMB(LAMB):
         sync_every: int = 4,
         merge_rate: float | None = None,
     ) -> None:
-        self.sync_every = _check_sync_every(sync_every)
-        self.merge_rate = _check_merge_rate(merge_rate)
+        self.sync_every = check_sync_every(sync_every)
+        check_merge_rate(merge_rate)
         super().__init__(
             params,
             lr=lr,
@@ -98,44 +80,37 @@ class AsyncLAMB(LAMB):
             max_grad_norm=max_grad_norm,
             foreach=foreach,
         )
-        self.exchanges = 0
-        self.discarded_exchanges = 0
         self.local_steps = 0  # since the last exchange
-        self._client: PSClient | None = None
-        self._outer: torch.optim.SGD | None = None
-        self._snapshot: list[Tensor] = []
+        self.delta = DeltaExchange(self._held(), merge_rate)
 
-    # -- wiring to a PS ---------------------------------------------------------------------------
     def _held(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def outer_optimizer(self, mode: str, num_workers: int) -> torch.optim.SGD:
-        """The optimizer the servers mirror: SGD with ``lr = merge_rate`` over this optimizer's parameters.
+    @property
+    def merge_rate(self) -> float | None:
+        return self.delta.merge_rate
 
-        Pass it as ``optimizer=`` to :meth:`ivyplug.ps.PSClient.start`, then call :meth:`attach`.
-        """
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-        if mode not in ("sync", "async", "ssp"):
-            raise ValueError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
-        rate = self.merge_rate
-        if rate is None:
-            rate = 1.0 if mode == "sync" else 1.0 / num_workers
-        self._outer = torch.optim.SGD(self._held(), lr=rate)
-        return self._outer
+    @property
+    def exchanges(self) -> int:
+        return self.delta.exchanges
+
+    @property
+    def discarded_exchanges(self) -> int:
+        return self.delta.discarded
+
+    @property
+    def attached(self) -> bool:
+        return self.delta.client is not None
+
+    # -- wiring to a PS ---------------------------------------------------------------------------
+    def outer_optimizer(self, mode: str, num_workers: int) -> torch.optim.SGD:
+        """The optimizer the servers mirror: pass it as ``optimizer=`` to ``PSClient.start``, then attach."""
+        return self.delta.outer_optimizer(mode, num_workers)
 
     def attach(self, client: PSClient) -> None:
-        """Exchange through ``client`` from now on; the current parameters are the pulled global copy.
-
-        Call after ``client.pull_initial()`` (or any pull). The client must have been started with
-        :meth:`outer_optimizer`'s result, or the servers would run another update rule on the deltas.
-        """
-        if self._outer is None or client.optimizer is not self._outer:
-            raise ValueError(
-                "attach() needs a PSClient started with optimizer=AsyncLAMB.outer_optimizer(mode, num_workers)"
-            )
-        self._client = client
-        self.reset_snapshot()
+        """Exchange through ``client`` from now on; call after ``client.pull_initial()`` (or any pull)."""
+        self.delta.attach(client)
+        self.local_steps = 0
 
     def start_ps(
         self, cfg: PSConfig, params: Sequence[Any], buffers: Sequence[Any] = (), **start_kwargs: Any
@@ -158,52 +133,29 @@ class AsyncLAMB(LAMB):
         return client
 
     def reset_snapshot(self) -> None:
-        """Take the current parameters as the global copy the next delta is measured from."""
-        self._snapshot = [p.detach().clone() for p in self._held()]
+        """Take the current parameters as the global copy (after a pull that did not go through exchange)."""
+        self.delta.reset_snapshot()
         self.local_steps = 0
-
-    @property
-    def attached(self) -> bool:
-        return self._client is not None
 
     # -- stepping ---------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One local LAMB step; every ``sync_every``-th step also exchanges with the PS."""
         loss = super().step(closure)
-        if self._client is not None:
+        if self.attached:
             self.local_steps += 1
             if self.local_steps >= self.sync_every:
                 self.exchange()
         return loss
 
-    @torch.no_grad()
     def exchange(self) -> None:
-        """Push Δ = x_local − x_pulled (as the pseudo-gradient −Δ), pull the global copy, restart from it."""
-        client = self._client
-        if client is None:
-            raise RuntimeError("AsyncLAMB.exchange() needs a PS: call start_ps() or attach() first")
-        held = self._held()
-        saved = [p.grad for p in held]
-        pseudo = [s - p.detach() for s, p in zip(self._snapshot, held, strict=True)]
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in pseudo])) if pseudo else 0
-        if not math.isfinite(float(total)):
-            for g in pseudo:
-                g.zero_()
-            self.discarded_exchanges += 1
-        try:
-            for p, g in zip(held, pseudo, strict=True):
-                p.grad = g
-            client.step(max(1, self.local_steps))
-        finally:
-            for p, old in zip(held, saved, strict=True):
-                p.grad = old
-        self.exchanges += 1
-        self.reset_snapshot()
+        """Push this worker's delta, pull the global copy and continue from it."""
+        self.delta.exchange(self.local_steps)
+        self.local_steps = 0
 
     def flush(self) -> None:
         """Exchange now if there were local steps since the last exchange (before validating or saving)."""
-        if self._client is not None and self.local_steps > 0:
+        if self.attached and self.local_steps > 0:
             self.exchange()
 
     # -- pickling and checkpoints -----------------------------------------------------------------
@@ -218,15 +170,14 @@ class AsyncLAMB(LAMB):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        counts = (int(state.pop("exchanges", 0)), int(state.pop("discarded_exchanges", 0)))
+        merge_rate = state.pop("merge_rate", None)
         super().__setstate__(state)
         self.__dict__.setdefault("sync_every", 4)
-        self.__dict__.setdefault("merge_rate", None)
-        self.__dict__.setdefault("exchanges", 0)
-        self.__dict__.setdefault("discarded_exchanges", 0)
         self.local_steps = 0
-        self._client = None  # a copy is not attached: the PS connection belongs to the original
-        self._outer = None
-        self._snapshot = []
+        self.delta = DeltaExchange(self._held(), merge_rate)  # a copy is not attached to the original's PS
+        self.delta.exchanges, self.delta.discarded = counts
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -242,5 +193,5 @@ class AsyncLAMB(LAMB):
         sd = dict(state_dict)
         extra = sd.pop("async_lamb", None) or {}
         super().load_state_dict(sd)
-        self.exchanges = int(extra.get("exchanges", 0))
-        self.discarded_exchanges = int(extra.get("discarded_exchanges", 0))
+        self.delta.exchanges = int(extra.get("exchanges", 0))
+        self.delta.discarded = int(extra.get("discarded_exchanges", 0))

@@ -72,7 +72,7 @@ def async_nothing_lost(rank: int, world: int) -> dict[str, Any]:
     rng = random.Random(rank + 5)
     for round_ in range(8):
         local_steps(model, opt, rank, 1 + rng.randrange(3), seed=10 + round_)
-        pushed += flat(model) - torch.cat([s.reshape(-1).double() for s in opt._snapshot])
+        pushed += flat(model) - torch.cat([s.reshape(-1).double() for s in opt.delta.snapshot])
         time.sleep(rng.random() * 0.01)
         opt.exchange()
     dist.barrier()  # every push applied (each exchange waited for its reply)

@@ -1,4 +1,4 @@
-"""Keras adapters: ``LAMB`` (and, from other modules, more Keras components).
+"""Keras adapters: ``LAMB``, ``AsyncLAMB`` (+ ``AsyncLAMBExchange``), ``IvyLoadBalancer``, ``ElasticDataset``.
 
 Lazy (PEP 562): importing this package, or its ``plugin`` module, imports neither Keras nor
 TensorFlow; a name is imported from its module on first access.
@@ -12,6 +12,8 @@ from typing import Any
 #: Public name -> module that defines it. Adding an export is one line here.
 _EXPORTS: dict[str, str] = {
     "LAMB": "ivyplug.integrations.keras.lamb",
+    "AsyncLAMB": "ivyplug.integrations.keras.async_lamb",
+    "AsyncLAMBExchange": "ivyplug.integrations.keras.async_lamb",
     "ElasticDataset": "ivyplug.integrations.keras.elastic",
     "IvyLoadBalancer": "ivyplug.integrations.keras.load_balancer",
     "apply_mwms_fixes": "ivyplug.integrations.keras.mwms_fixes",

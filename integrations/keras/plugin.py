@@ -16,6 +16,12 @@ def ivyplug_optimizers() -> Iterator[Optimizer]:
         framework="keras",
         description="LAMB with a bounded trust ratio; global-norm clipping after the cross-replica sum",
     )
+    yield Optimizer(
+        "async_lamb",
+        "ivyplug.integrations.keras.async_lamb:AsyncLAMB",
+        framework="keras",
+        description="LAMB with local steps; workers average deltas through the PS (with AsyncLAMBExchange)",
+    )
 
 
 @hookimpl
@@ -25,4 +31,10 @@ def ivyplug_callbacks() -> Iterator[Callback]:
         "ivyplug.integrations.keras.load_balancer:IvyLoadBalancer",
         framework="keras",
         description="load-aware global batch size and LR rescaling inside model.fit (any tf.distribute strategy)",
+    )
+    yield Callback(
+        "async_lamb_exchange",
+        "ivyplug.integrations.keras.async_lamb:AsyncLAMBExchange",
+        framework="keras",
+        description="AsyncLAMB's delta exchanges with ivyplug's parameter server during model.fit",
     )

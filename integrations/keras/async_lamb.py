@@ -1,0 +1,188 @@
+"""Keras ``AsyncLAMB``: LAMB with local steps and delta averaging through ivyplug's parameter server.
+
+The twin of :class:`ivyplug.optim.AsyncLAMB`: each worker takes ``sync_every`` local LAMB steps from the
+global copy it last pulled, pushes its delta, and the servers merge it (:mod:`ivyplug.ps.delta_exchange`:
+``x ← x + merge_rate · Δ``, merge_rate 1 in sync mode and 1/num_workers in async/ssp by default).
+
+Keras runs the optimizer inside a compiled train step, so the exchange — Python, torch.distributed — runs in
+:class:`AsyncLAMBExchange`, a callback that ``fit`` calls between steps. The workers are separate Keras
+processes (for example started by ``torchrun``, which sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT``); the callback joins them in a gloo process group, starts the PS with one co-located shard
+per worker, and mirrors the model's trainable variables (and float non-trainable ones, as PS buffers) in
+CPU torch tensors. Within a worker any tf.distribute strategy may hold the variables: the callback reads
+and assigns them in cross-replica context. Without the callback, AsyncLAMB is LAMB.
+
+Where the workers meet: before validation inside ``fit`` (``on_test_begin``) and at the end of ``fit``
+every worker flushes its delta and pulls, so validation and the returned model use the global copy. In
+sync mode every exchange is a step of all workers together: give them the same steps per epoch.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import keras
+import numpy as np
+from ivyplug.integrations.keras.lamb import LAMB
+
+from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
+from ivyplug.ps.delta_exchange import check_merge_rate, check_sync_every
+
+
+@keras.saving.register_keras_serializable(package="ivyplug")
+class AsyncLAMB(LAMB):
+    """LAMB (Keras) whose workers average their progress through the PS every ``sync_every`` steps.
+
+    Args: :class:`~ivyplug.integrations.keras.LAMB`'s, plus ``sync_every`` (local steps between two
+    exchanges, >= 1) and ``merge_rate`` (``None``: 1.0 in sync mode, 1/num_workers in async/ssp).
+    The exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
+
+    Example:
+        >>> import keras
+        >>> from ivyplug.integrations.keras import AsyncLAMB
+        >>> from ivyplug.integrations.keras.async_lamb import AsyncLAMBExchange
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(optimizer=AsyncLAMB(learning_rate=1e-2, sync_every=4), loss="mse")
+        >>> x, y = keras.random.normal((32, 4), seed=1), keras.random.normal((32, 2), seed=2)
+        >>> h = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[AsyncLAMBExchange(mode="async")])
+        >>> model.optimizer.get_config()["sync_every"]
+        4
+    """
+
+    def __init__(self, *args: Any, sync_every: int = 4, merge_rate: float | None = None, **kwargs: Any) -> None:
+        sync_every = check_sync_every(sync_every)
+        merge_rate = check_merge_rate(merge_rate)
+        super().__init__(*args, **kwargs)
+        self.sync_every = sync_every
+        self.merge_rate = merge_rate
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update({"sync_every": self.sync_every, "merge_rate": self.merge_rate})
+        return config
+
+
+class AsyncLAMBExchange(keras.callbacks.Callback):
+    """Runs :class:`AsyncLAMB`'s exchanges with the PS during ``fit`` (see the module docstring).
+
+    Args:
+        mode, staleness, staleness_scaling, timeout: as for :class:`ivyplug.ps.PSConfig` (checked here,
+            before ``fit`` starts).
+    """
+
+    def __init__(
+        self,
+        mode: str = "async",
+        staleness: int | None = None,
+        staleness_scaling: str = "inverse",
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        super().__init__()
+        self.config = PSConfig(mode=mode, staleness=staleness, staleness_scaling=staleness_scaling, timeout=timeout)
+        self.client: Any = None
+        self.exchanges = 0
+        self.discarded = 0
+        self._delta: Any = None
+        self._variables: list[Any] = []
+        self._tensors: list[Any] = []
+        self._local = 0
+        self._own_group = False
+        self._in_fit = False
+
+    # -- start and stop ---------------------------------------------------------------------------
+    def _join_workers(self) -> int:
+        """The number of workers; joins the gloo group from torchrun's environment when there are several."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            if missing:
+                raise ValueError(
+                    f"AsyncLAMBExchange: WORLD_SIZE={world} but {missing} not set; start the workers with torchrun "
+                    "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+                )
+            dist.init_process_group("gloo", timeout=timedelta(seconds=self.config.timeout))
+            self._own_group = True
+        return world
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        import torch
+
+        from ivyplug.ps import PSClient
+        from ivyplug.ps.delta_exchange import DeltaExchange
+
+        optimizer = self.model.optimizer
+        if not isinstance(optimizer, AsyncLAMB):
+            raise ValueError(f"AsyncLAMBExchange needs a model compiled with AsyncLAMB, got {type(optimizer).__name__}")
+        world = self._join_workers()
+        params = list(self.model.trainable_variables)
+        buffers = [v for v in self.model.non_trainable_variables if np.issubdtype(np.dtype(v.dtype), np.floating)]
+        self._variables = params + buffers
+        self._tensors = [torch.tensor(np.asarray(v.numpy(), dtype=np.float32)) for v in self._variables]
+        named = [(f"{i}:{v.path}", t) for i, (v, t) in enumerate(zip(self._variables, self._tensors, strict=True))]
+        self._delta = DeltaExchange(self._tensors[: len(params)], optimizer.merge_rate)
+        outer = self._delta.outer_optimizer(self.config.mode, world)
+        self.client = PSClient.start(self.config, named[: len(params)], named[len(params) :], optimizer=outer)
+        self.client.pull_initial()  # every worker starts from the servers' copy (worker 0's)
+        self._write_back()
+        self._delta.attach(self.client)
+        self._local = 0
+        self._in_fit = True
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self.client is None:
+            return
+        try:
+            self._meet()
+        finally:
+            self.client.close()
+            self.client = None
+            self._in_fit = False
+            if self._own_group:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+                self._own_group = False
+
+    # -- exchanges --------------------------------------------------------------------------------
+    def _read_in(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for v, t in zip(self._variables, self._tensors, strict=True):
+                t.copy_(torch.from_numpy(np.asarray(v.numpy(), dtype=np.float32)))
+
+    def _write_back(self) -> None:
+        for v, t in zip(self._variables, self._tensors, strict=True):
+            v.assign(t.numpy().astype(np.dtype(v.dtype)))
+
+    def _exchange(self) -> None:
+        self._read_in()
+        self._delta.exchange(self._local)
+        self._local = 0
+        self._write_back()
+        self.exchanges, self.discarded = self._delta.exchanges, self._delta.discarded
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.client is None:
+            return
+        self._local += 1
+        if self._local >= self.model.optimizer.sync_every:
+            self._exchange()
+
+    def _meet(self) -> None:
+        """Flush this worker's delta, then every worker pulls the global copy (collective)."""
+        if self._local > 0:
+            self._exchange()
+        self.client.sync()
+        self._write_back()
+        self._delta.reset_snapshot()
+
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if self._in_fit and self.client is not None:  # validation inside fit sees the global model
+            self._meet()

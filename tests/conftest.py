@@ -3,6 +3,24 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+#: Lightning's spawn launcher writes these into the test process; a later test's subprocesses would inherit
+#: a stale MASTER_PORT (and hang when something else holds it).
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED")
+
+
+@pytest.fixture(autouse=True)
+def _restore_launch_variables() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

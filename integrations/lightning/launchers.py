@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 
 
 class _CheckingStrategy(Protocol):
@@ -34,7 +35,13 @@ class CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         _check(self._ivy_strategy, trainer, args, kwargs)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:
+            # Lightning ends the other ranks only on KeyboardInterrupt; after any other failure of rank 0
+            # (e.g. its port is taken) they would wait for it until the process-group timeout
+            self.kill(_get_sigkill_signal())
+            raise
 
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):

@@ -128,7 +128,7 @@ class ServerLoop(threading.Thread):
             with srv.cond:
                 srv._check_error()
                 tau = srv.push(w, data, hyper)
-                srv.park(w, tau, deliver)
+                srv.park(w, tau, deliver, refuse=lambda: self._reply_error(w, h))
         elif h.kind == Kind.PULL:
             srv = self.server
             assert srv is not None

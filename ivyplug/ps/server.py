@@ -18,6 +18,7 @@ Update rules (documented in docs/design.md):
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import sys
@@ -107,6 +108,8 @@ class ShardServer:
         self.ssp_trace: deque[tuple[int, int, int]] = deque(maxlen=SSP_TRACE_LEN)
         # parked replies: (worker, deliver(snapshot, version, staleness))
         self._parked: list[tuple[int, int, Callable[[torch.Tensor, int, int], None]]] = []
+        # parked replies' error paths: called if the shard fails while they wait (see fail())
+        self._refusals: dict[int, Callable[[], None]] = {}
         self._snapshot_bufs: dict[int, torch.Tensor] = {}
 
     # -- update rules (call with self.cond held) -----------------------------------------------
@@ -256,9 +259,21 @@ class ShardServer:
         if self.cfg.mode == "ssp":
             self.ssp_trace.append((worker, self.clock[worker], self.min_live_clock()))
 
-    def park(self, worker: int, staleness: int, deliver: Callable[[torch.Tensor, int, int], None]) -> None:
-        """Send ``worker`` a snapshot through ``deliver`` once it is ready (now, if it already is)."""
+    def park(
+        self,
+        worker: int,
+        staleness: int,
+        deliver: Callable[[torch.Tensor, int, int], None],
+        refuse: Callable[[], None] | None = None,
+    ) -> None:
+        """Send ``worker`` a snapshot through ``deliver`` once it is ready (now, if it already is).
+
+        ``refuse`` answers the worker with an error instead if this shard fails first, so it does not
+        wait out its ``timeout`` for a reply that cannot come.
+        """
         self._parked.append((worker, staleness, deliver))
+        if refuse is not None:
+            self._refusals[id(deliver)] = refuse
         self._release()
 
     def _release(self) -> None:
@@ -267,6 +282,7 @@ class ShardServer:
             if self.ready(worker, after_push=True):
                 self._record_release(worker)
                 snap, version = self.snapshot(worker)
+                self._refusals.pop(id(deliver), None)
                 deliver(snap, version, staleness)
             else:
                 keep.append((worker, staleness, deliver))
@@ -323,6 +339,13 @@ class ShardServer:
         with self.cond:
             self.error = f"{type(exc).__name__}: {exc}"
             print(f"[ivyplug.ps] shard {self.shard} error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            parked, self._parked = self._parked, []
+            for _, _, deliver in parked:  # waiting remote workers get an error reply now, not a timeout
+                refuse = self._refusals.pop(id(deliver), None)
+                if refuse is not None:
+                    with contextlib.suppress(Exception):
+                        refuse()
+            self._refusals.clear()
             self.cond.notify_all()
 
     # -- checkpoints ----------------------------------------------------------------------------

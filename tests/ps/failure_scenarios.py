@@ -82,6 +82,39 @@ def dedicated_job() -> None:
     time.sleep(300)
 
 
+def parked_push_refused(rank: int, world: int) -> dict[str, Any]:
+    """sync, 2 workers, one dedicated server. Rank 1's push is parked (waiting for rank 0's); rank 0 then
+    sends a push the server refuses, which fails the shard: rank 1 must get an error reply at once."""
+    from ivyplug.ps.messages import Kind
+
+    model, opt = _model()
+    client = PSClient.start(PSConfig(mode="sync", num_servers=1, timeout=30.0), list(model.named_parameters()), [], opt)
+    client.pull_initial()
+    dist.barrier()
+    server = client.world_size  # PS-group rank of dedicated server 0
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    if rank == 1:
+        torch.nn.functional.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 3)).backward()
+        try:
+            client.step(4)
+            out.update(type=None, error=None)
+        except Exception as exc:
+            out.update(type=type(exc).__name__, error=str(exc))
+    else:
+        time.sleep(1.0)  # rank 1's push is parked by now
+        hyper = torch.cat([torch.tensor([-1.0, 4.0], dtype=torch.float64), client.spec.encode(opt)])
+        try:
+            hbuf, works, _, _ = client._request(
+                Kind.PUSH_PULL, 0, server, torch.zeros(3), hyper, client.plan.shard_numel(0)
+            )
+            client._finish(hbuf, works, server, "a malformed push")
+        except Exception as exc:
+            out.update(type=type(exc).__name__, error=str(exc))
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
 def dedicated_job_without_close() -> None:
     """Rank 0 of a one-worker job with one dedicated server raises before close(): it must still exit."""
     model, opt = _model()

@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.ps.failure_scenarios import killed_peer
-from tests.ps.harness import free_port
+from tests.ps.failure_scenarios import killed_peer, parked_push_refused
+from tests.ps.harness import free_port, run_workers
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 3.0
@@ -147,3 +147,13 @@ def test_rank0_that_fails_before_close_still_exits_and_ends_its_servers() -> Non
         assert job.proc.wait(60) == 1
         assert _wait_gone(job.servers, 10.0), "a dedicated server outlived its rank 0"
     assert "user code failed before close()" in "".join(job.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_shard_answers_parked_pushes_at_once() -> None:
+    """A push parked on a shard that then fails gets an error reply, not a wait of ``timeout`` (30 s)."""
+    r0, r1 = run_workers(parked_push_refused, 2, timeout=90)
+    assert r0["type"] == "PSProtocolError", r0
+    assert r1["type"] == "PSProtocolError", r1
+    assert "failed while answering" in r1["error"]
+    assert r1["seconds"] < 15.0, r1  # about 1 s of rank 0's sleep; a timeout would take 30 s

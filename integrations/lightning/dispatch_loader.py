@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 class BatchDispatcher(Protocol):
     """What the sampler needs from the PS client."""
 
-    def start_epoch(self, epoch: int, num_batches: int) -> None: ...
+    def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None: ...
 
     def next_batch(self) -> int | None: ...
 
@@ -117,7 +117,7 @@ class DispatchBatchSampler:
                 f"{self.world_size} workers (use a smaller batch_size or mode='sync')"
             )
         self.served = []
-        self.dispatcher.start_epoch(self.epoch, total - self.world_size)
+        self.dispatcher.start_epoch(self.epoch, total - self.world_size, reserved=1)
         index: int | None = self.rank
         while index is not None:
             if not 0 <= index < total:

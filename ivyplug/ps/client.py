@@ -443,11 +443,18 @@ class PSClient:
         self._pull_all("sync()")
 
     # -- data dispatch and stop signal ----------------------------------------------------------
-    def start_epoch(self, epoch: int, num_batches: int) -> None:
-        """Collective at the start of an epoch: rank 0 refills the batch queue with 0..num_batches-1."""
+    def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None:
+        """Collective at the start of an epoch: rank 0 refills the batch queue with 0..num_batches-1.
+
+        ``reserved``: batches this worker trains on without asking the queue (the dispatch loader gives
+        every worker one, so none ends an epoch empty-handed); counted in ``metrics()["batches"]``.
+        """
         self._check_open()
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ValueError(f"num_batches must be an int >= 0, got {num_batches!r}")
+        if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
+            raise ValueError(f"reserved must be an int >= 0, got {reserved!r}")
+        self.m.batches += reserved
         if self.rank == 0:
             assert self.queue is not None
             self.queue.reset(epoch, num_batches)

@@ -18,7 +18,7 @@ class SharedQueue:
         self.next = 0
         self.total = 0
 
-    def start_epoch(self, epoch: int, num_batches: int) -> None:
+    def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None:
         if self.epoch != epoch:
             self.epoch, self.next, self.total = epoch, 0, num_batches
 

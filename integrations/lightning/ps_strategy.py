@@ -44,6 +44,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
+from ivyplug.settings import project_defaults
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,11 @@ CHECKPOINT_FORMAT = 1
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: Lightning versions whose training epoch loop was checked for per-batch collectives.
 _CHECKED_LIGHTNING = ("2.4.", "2.5.", "2.6.")
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None (an argument, then a project default, then the built-in one)."""
+    return next(v for v in values if v is not None)
 
 
 class IvyPSStrategy(DDPStrategy):
@@ -68,7 +74,9 @@ class IvyPSStrategy(DDPStrategy):
         staleness: for ``mode="ssp"``: a worker blocks while it is more than this many steps ahead of the
             slowest live worker. Required for ssp, refused otherwise.
         num_servers: 0 (default) co-locates one shard with every worker; ``k > 0`` runs k dedicated CPU
-            server processes (for GPU workers).
+            server processes (for GPU workers). ``num_servers``, ``staleness_scaling`` and ``timeout`` left
+            at ``None`` come from ``[tool.ivyplug.ps]`` in the project's pyproject.toml or ``IVYPLUG_PS_*``
+            variables (:mod:`ivyplug.settings`), else the defaults given here.
         staleness_scaling: ``"inverse"`` (default) scales a gradient of staleness tau >= 1 by 1/tau;
             ``"none"`` applies it unscaled (async/ssp only).
         timeout: seconds that any single wait on the PS may take before failing with an error
@@ -91,9 +99,9 @@ class IvyPSStrategy(DDPStrategy):
         self,
         mode: str = "async",
         staleness: int | None = None,
-        num_servers: int = 0,
-        staleness_scaling: str = "inverse",
-        timeout: float = DEFAULT_TIMEOUT_S,
+        num_servers: int | None = None,
+        staleness_scaling: str | None = None,
+        timeout: float | None = None,
         max_shard_bytes: int | str | None = "auto",
         *,
         process_group_timeout: timedelta | None = default_pg_timeout,
@@ -113,12 +121,14 @@ class IvyPSStrategy(DDPStrategy):
                 "accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, "
                 "process_group_backend"
             )
+        # None: [tool.ivyplug.ps] in pyproject.toml / IVYPLUG_PS_* (ivyplug.settings), else the built-in default
+        project = project_defaults("ps")
         self.ps_config = PSConfig(
             mode=mode,
             staleness=staleness,
-            staleness_scaling=staleness_scaling,
-            timeout=timeout,
-            num_servers=num_servers,
+            staleness_scaling=_first(staleness_scaling, project.get("staleness_scaling"), "inverse"),
+            timeout=_first(timeout, project.get("timeout"), DEFAULT_TIMEOUT_S),
+            num_servers=_first(num_servers, project.get("num_servers"), 0),
             max_shard_bytes=max_shard_bytes,
         )
         if start_method not in START_METHODS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -107,3 +108,20 @@ def test_sync_mode_allows_per_step_options() -> None:
     )
     trainer.state.fn = "fit"
     strategy.check_fit_configuration(trainer, DigitsMLP())  # no error
+
+
+def test_project_defaults_from_pyproject_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[tool.ivyplug.ps] configures Trainer(strategy="ivy_ps") without code; arguments and variables win."""
+    (tmp_path / "pyproject.toml").write_text('[tool.ivyplug.ps]\ntimeout = 300\nstaleness_scaling = "none"\n')
+    monkeypatch.chdir(tmp_path)
+    for name in ("IVYPLUG_PS_TIMEOUT", "IVYPLUG_PS_NUM_SERVERS", "IVYPLUG_PS_STALENESS_SCALING"):
+        monkeypatch.delenv(name, raising=False)
+    trainer = Trainer(strategy="ivy_ps", accelerator="cpu", devices=2, logger=False)
+    cfg = trainer.strategy.ps_config
+    assert (cfg.timeout, cfg.staleness_scaling, cfg.num_servers) == (300.0, "none", 0)
+    assert IvyPSStrategy(timeout=5).ps_config.timeout == 5  # an argument beats the project file
+    monkeypatch.setenv("IVYPLUG_PS_TIMEOUT", "42")
+    assert IvyPSStrategy().ps_config.timeout == 42.0  # the environment beats the file
+    (tmp_path / "pyproject.toml").write_text("[tool.ivyplug.ps]\nnum_servers = -1\n")
+    with pytest.raises(ValueError, match=r"PSConfig\.num_servers must be an int >= 0, got -1"):
+        IvyPSStrategy()

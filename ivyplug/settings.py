@@ -1,0 +1,106 @@
+"""Project defaults: ``[tool.ivyplug.<section>]`` in the nearest ``pyproject.toml``, then ``IVYPLUG_*`` variables.
+
+An existing project switches ivyplug's behaviour from configuration, without editing training code: with
+
+    [tool.ivyplug.ps]
+    timeout = 300.0
+    num_servers = 2
+
+in its ``pyproject.toml``, ``Trainer(strategy="ivy_ps")`` runs with those values. Precedence, highest first:
+an argument passed in code, the environment variable (``IVYPLUG_PS_TIMEOUT=300``), the ``pyproject.toml``
+value, the built-in default. The file is the first ``pyproject.toml`` found from the working directory
+upwards. Unknown keys and values of the wrong type raise ``ValueError`` naming the key and what is allowed.
+Framework-free (``tomllib``, or ``tomli`` on Python 3.10).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, as a package (a dependency on 3.10)
+    import tomli as tomllib
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("an integer")
+    return value
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("a number")
+    return float(value)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("a string")
+    return value
+
+
+#: section -> key -> parser of the value (raises TypeError naming what is allowed). Environment values are
+#: strings; they are read as TOML scalars first (``300``, ``300.0``, ``"auto"``) so both sources parse alike.
+SECTIONS: dict[str, dict[str, Callable[[Any], Any]]] = {
+    # IvyPSStrategy's arguments whose None means "the project default, else the built-in one"
+    "ps": {"timeout": _float, "num_servers": _int, "staleness_scaling": _str},
+}
+
+
+def find_pyproject(start: Path | None = None) -> Path | None:
+    """The first ``pyproject.toml`` in ``start`` (default: the working directory) or a parent of it."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / "pyproject.toml"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare word such as none / inverse: a string
+
+
+def project_defaults(
+    section: str, start: Path | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The configured values of ``section`` (only keys that are set), environment over ``pyproject.toml``."""
+    if section not in SECTIONS:
+        raise ValueError(f"unknown ivyplug settings section {section!r}; known: {sorted(SECTIONS)}")
+    parsers = SECTIONS[section]
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    path = find_pyproject(start)
+    if path is not None:
+        with path.open("rb") as f:
+            table = tomllib.load(f).get("tool", {}).get("ivyplug", {}).get(section, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: [tool.ivyplug.{section}] must be a table")
+        unknown = sorted(set(table) - set(parsers))
+        if unknown:
+            raise ValueError(
+                f"{path}: unknown key(s) {unknown} in [tool.ivyplug.{section}]; allowed: {sorted(parsers)}"
+            )
+        for key, value in table.items():
+            values[key], origin[key] = value, f"{path}: [tool.ivyplug.{section}] {key}"
+    for key in parsers:
+        name = f"IVYPLUG_{section.upper()}_{key.upper()}"
+        if name in environ:
+            values[key], origin[key] = _env_value(environ[name]), f"environment variable {name}"
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            out[key] = parsers[key](value)
+        except TypeError as exc:
+            raise ValueError(f"{origin[key]} must be {exc}, got {value!r}") from None
+    return out

@@ -1,0 +1,54 @@
+"""Project defaults from ``[tool.ivyplug.<section>]`` and ``IVYPLUG_*`` variables (ivyplug.settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ivyplug.settings import find_pyproject, project_defaults
+
+
+def _project(tmp_path: Path, body: str) -> Path:
+    (tmp_path / "pyproject.toml").write_text(body)
+    sub = tmp_path / "src" / "pkg"
+    sub.mkdir(parents=True)
+    return sub
+
+
+def test_values_from_the_nearest_pyproject_and_the_environment_wins(tmp_path: Path) -> None:
+    sub = _project(tmp_path, '[tool.ivyplug.ps]\ntimeout = 300\nnum_servers = 2\nstaleness_scaling = "none"\n')
+    assert find_pyproject(sub) == tmp_path / "pyproject.toml"
+    assert project_defaults("ps", start=sub, environ={}) == {
+        "timeout": 300.0,
+        "num_servers": 2,
+        "staleness_scaling": "none",
+    }
+    env = {"IVYPLUG_PS_TIMEOUT": "45.5", "IVYPLUG_PS_STALENESS_SCALING": "inverse", "IVYPLUG_PS_HOST": "10.0.0.1"}
+    got = project_defaults("ps", start=sub, environ=env)
+    assert got == {"timeout": 45.5, "num_servers": 2, "staleness_scaling": "inverse"}  # HOST is another setting
+    assert isinstance(got["timeout"], float)
+
+
+def test_nothing_configured_gives_nothing(tmp_path: Path) -> None:
+    assert project_defaults("ps", start=_project(tmp_path, "[project]\nname = 'x'\n"), environ={}) == {}
+
+
+@pytest.mark.parametrize(
+    ("body", "env", "match"),
+    [
+        ("[tool.ivyplug.ps]\ntimeot = 3\n", {}, r"unknown key\(s\) \['timeot'\] in \[tool.ivyplug.ps\]; allowed"),
+        ('[tool.ivyplug.ps]\ntimeout = "slow"\n', {}, r"\[tool.ivyplug.ps\] timeout must be a number, got 'slow'"),
+        ("[tool.ivyplug.ps]\nnum_servers = 1.5\n", {}, r"num_servers must be an integer, got 1.5"),
+        ("", {"IVYPLUG_PS_NUM_SERVERS": "two"}, r"environment variable IVYPLUG_PS_NUM_SERVERS must be an integer"),
+        ("[tool.ivyplug]\nps = 3\n", {}, r"\[tool.ivyplug.ps\] must be a table"),
+    ],
+)
+def test_bad_settings_name_the_key_and_the_source(tmp_path: Path, body: str, env: dict[str, str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        project_defaults("ps", start=_project(tmp_path, body), environ=env)
+
+
+def test_unknown_section_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown ivyplug settings section 'pss'; known: \['ps'\]"):
+        project_defaults("pss")

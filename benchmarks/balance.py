@@ -102,8 +102,8 @@ def format_table(results: dict[str, Any]) -> str:
             parts.append(f"no slow worker: with/without {s['fast_ratio']:.2f}")
         lines.append(f"{strategy}: " + "; ".join(parts))
     lines.append(
-        "overhead: all of the callback's time on the training thread (per-batch hooks, epoch start/end with the "
-        "gather and broadcast of the decision, loader rebuild) / summed train-epoch time; per batch: the "
-        "per-batch hooks alone"
+        "overhead: all of the callback's time on the training thread (per-batch hooks, epoch start/end, the "
+        "epoch-end gather and broadcast of the decision including the wait for the last rank, loader rebuild) / "
+        "summed train-epoch time; per batch: the per-batch hooks alone (the JSON has every part)"
     )
     return "\n".join(lines)

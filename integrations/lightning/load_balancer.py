@@ -152,8 +152,16 @@ class IvyLoadBalancer(Callback):
 
         # runtime
         # wall time spent in this callback's hooks and loader work on the training thread (overhead measurement):
-        # per batch, epoch start, epoch end (the gather/broadcast of the decision included), loader rebuild
-        self.hook_breakdown: dict[str, float] = {"batch": 0.0, "epoch_start": 0.0, "epoch_end": 0.0, "loader": 0.0}
+        # per batch, epoch start, epoch end (local work), epoch sync (the gather of the records and the broadcast of
+        # the decision, including the wait for the last rank to finish its epoch), loader rebuild
+        self.hook_breakdown: dict[str, float] = {
+            "batch": 0.0,
+            "epoch_start": 0.0,
+            "epoch_end": 0.0,
+            "epoch_sync": 0.0,
+            "loader": 0.0,
+        }
+        self._sync_seconds = 0.0
         self._log_every = 50
         self.steps = 0
         self._sampler: Sampler | None = None
@@ -451,10 +459,12 @@ class IvyLoadBalancer(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         start = time.perf_counter()
+        self._sync_seconds = 0.0
         try:
             self._epoch_end(trainer, pl_module)
         finally:
-            self.hook_breakdown["epoch_end"] += time.perf_counter() - start
+            self.hook_breakdown["epoch_sync"] += self._sync_seconds
+            self.hook_breakdown["epoch_end"] += time.perf_counter() - start - self._sync_seconds
 
     def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sampler is None or self.batch_size is None or self.shares is None:
@@ -474,10 +484,14 @@ class IvyLoadBalancer(Callback):
             "oom_count": self._epoch_ooms,
             "share": self.shares[self._rank],
         }
+        sync_start = time.perf_counter()
         records = self._gather(record)
+        self._sync_seconds += time.perf_counter() - sync_start
         decision = self._decide(records) if self._rank == 0 else None
         if self._world > 1:
+            sync_start = time.perf_counter()
             decision = trainer.strategy.broadcast(decision, src=0)
+            self._sync_seconds += time.perf_counter() - sync_start
         assert decision is not None
         old = self.batch_size
         self.batch_size = int(decision["batch_size"])

@@ -76,8 +76,9 @@ def test_idle_grows_then_memory_pressure_shrinks_with_lr_rescaled(optimizer: str
     restored.load_state_dict({**old, "speeds": [1.0]})
     assert restored.step_observations == [] and restored.share_gain == 1.0 and restored.batch_size == 32
     # the overhead is all of the callback's time on the training thread, split by where it was spent
-    assert set(cb.hook_breakdown) == {"batch", "epoch_start", "epoch_end", "loader"}
-    assert all(v > 0 for v in cb.hook_breakdown.values()) and cb.hook_seconds == sum(cb.hook_breakdown.values())
+    assert set(cb.hook_breakdown) == {"batch", "epoch_start", "epoch_end", "epoch_sync", "loader"}
+    assert all(v >= 0 for v in cb.hook_breakdown.values()) and cb.hook_breakdown["batch"] > 0
+    assert cb.hook_seconds == sum(cb.hook_breakdown.values())
 
 
 def test_same_permutation_as_lightning_distributed_sampler() -> None:

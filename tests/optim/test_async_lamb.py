@@ -140,3 +140,16 @@ def test_async_merges_every_pushed_delta(world2: list[dict[str, Any]]) -> None:
     want = a0["x0"] + 0.5 * (a0["pushed"] + a1["pushed"])  # merge_rate 1/2, no staleness scaling
     for a in (a0, a1):
         torch.testing.assert_close(a["final"], want, rtol=0, atol=1e-5)
+
+
+def test_docstring_example_runs() -> None:
+    import doctest
+
+    from ivyplug.optim import async_lamb
+
+    tests = [t for t in doctest.DocTestFinder().find(async_lamb.AsyncLAMB, "AsyncLAMB", globs={}) if t.examples]
+    assert tests, "AsyncLAMB's docstring must hold a runnable example"
+    runner = doctest.DocTestRunner()
+    for test in tests:
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0

@@ -115,3 +115,16 @@ def test_two_keras_workers_average_into_one_global_model(tmp_path: Path) -> None
     assert r0["val_acc"][-1] == r1["val_acc"][-1] >= 0.9  # validated the same global model
     # 720 samples each = 23 steps/epoch; H = 4 gives 5 exchanges + 1 flush per epoch
     assert r0["exchanges"] == r1["exchanges"] == 5 * 6
+
+
+def test_docstring_example_runs() -> None:
+    import doctest
+
+    from ivyplug.integrations.keras import async_lamb
+
+    tests = [t for t in doctest.DocTestFinder().find(async_lamb.AsyncLAMB, "AsyncLAMB", globs={}) if t.examples]
+    assert tests, "AsyncLAMB's docstring must hold a runnable example"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in tests:
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0

@@ -2,7 +2,8 @@
 
 Probes (:class:`NvmlProbe`, :class:`TorchAllocatorProbe`, :class:`PsutilProbe`, :class:`ScriptedProbe`)
 return flat readings; :class:`Sampler` polls them off the training thread; the decisions
-(:class:`BatchSizePolicy`, :func:`lr_factor`, :func:`worker_shares`, :func:`plan_epoch`,
+(:class:`BatchSizePolicy`, :func:`lr_factor`, :func:`next_shares` from per-rank :class:`StepTimeModel` fits,
+:func:`worker_shares`, :func:`plan_epoch`,
 :func:`least_loaded`, :func:`split_batch`) are pure functions of observations that the Lightning and
 Keras callbacks apply. Nothing here imports a framework at import time.
 """
@@ -33,6 +34,7 @@ from ivyplug.load.probes import available_probes, default_probes
 from ivyplug.load.psutil_probe import PsutilProbe
 from ivyplug.load.sampler import Sampler, Stat
 from ivyplug.load.scripted_probe import ScriptedProbe
+from ivyplug.load.share_model import StepTimeModel, fit_step_time, min_max_shares, next_shares
 from ivyplug.load.shares import gradient_weights, measured_speeds, smooth_speeds, worker_shares
 from ivyplug.load.torch_probe import TorchAllocatorProbe
 
@@ -53,12 +55,14 @@ __all__ = [
     "Sampler",
     "ScriptedProbe",
     "Stat",
+    "StepTimeModel",
     "TorchAllocatorProbe",
     "available_probes",
     "batch_length",
     "combine_observations",
     "default_probes",
     "devices_from_readings",
+    "fit_step_time",
     "gradient_weights",
     "is_oom_error",
     "least_loaded",
@@ -66,6 +70,8 @@ __all__ = [
     "lr_rule_for",
     "measured_speeds",
     "merge_readings",
+    "min_max_shares",
+    "next_shares",
     "next_split",
     "observation_from_readings",
     "observation_from_summary",

@@ -1,6 +1,7 @@
 """``ivyplug bench ps``: the parameter server against DDP, with and without a 3x slower worker.
 
-Side by side in one run, 2 workers on this machine's CPU cores (BRIEF §7): ``ddp``, ``ivy_ps_sync`` and
+Side by side in one run, each configuration twice in interleaved rounds (a single 4-epoch run moves by 10-20%
+on a quiet machine), 2 workers on this machine's CPU cores (BRIEF §7): ``ddp``, ``ivy_ps_sync`` and
 ``ivy_ps`` (async), each without a slow worker and with rank 1 simulated as a device 3x slower at compute (it
 sleeps (k-1) x 3 x its measured forward time every step). Compute-bound setting: the digits MLP 64-1024-1024-10
 at batch 256 per worker on the training set repeated 16x. Epoch time is the median over the epochs after the
@@ -33,6 +34,7 @@ SLOWDOWN = 3.0
 STRATEGIES = ("ddp", "ivy_ps_sync", "ivy_ps")
 SIZES_MB = (4, 64)
 TARGET_THROUGHPUT = 0.85
+ROUNDS = 2  # every configuration runs this many times, interleaved (full run)
 TARGET_SLOW_RATIO = 0.65
 TARGET_ACC_POINTS = 1.0
 
@@ -46,6 +48,22 @@ def _run_job(strategy: str, slowdown: float, epochs: int, repeat: int, timeout: 
     cpu = result.get("epoch_cpu_seconds") or []
     result["epoch_cpu"] = statistics.median(cpu[1:] if len(cpu) > 1 else cpu) if cpu else float("nan")
     return result
+
+
+def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration run ``len(rounds)`` times, interleaved with the others: medians over every epoch
+    after the first of every round (a single 4-epoch run moved by 10-20% between runs on a quiet machine)."""
+    first = dict(rounds[0])
+    times = [t for r in rounds for t in (r["epoch_times"][1:] or r["epoch_times"])]
+    cpus = [c for r in rounds for c in (r.get("epoch_cpu_seconds") or [])[1:]]
+    first["rounds"] = len(rounds)
+    first["epoch_times_all_rounds"] = [r["epoch_times"] for r in rounds]
+    first["epoch_time"] = statistics.median(times)
+    first["samples_per_s"] = first["train_samples"] / first["epoch_time"]
+    first["epoch_cpu"] = statistics.median(cpus) if cpus else first["epoch_cpu"]
+    first["val_acc"] = statistics.median(r["val_acc"] for r in rounds)
+    first["loadavg_after"] = rounds[-1]["loadavg_after"]
+    return first
 
 
 def _free_port() -> int:
@@ -140,7 +158,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     """Quick: 2 epochs on the training set repeated twice (a smoke run, not a measurement)."""
     epochs, repeat = (2, 2) if quick else (4, 16)
     timeout = 600.0 if quick else 1800.0
-    runs = [_run_job(s, k, epochs, repeat, timeout) for k in (1.0, SLOWDOWN) for s in STRATEGIES]
+    configs = [(s, k) for k in (1.0, SLOWDOWN) for s in STRATEGIES]
+    rounds: dict[tuple[str, float], list[dict[str, Any]]] = {c: [] for c in configs}
+    for _ in range(1 if quick else ROUNDS):  # interleaved: slow drifts of foreign load hit every strategy alike
+        for s, k in configs:
+            rounds[(s, k)].append(_run_job(s, k, epochs, repeat, timeout))
+    runs = [_pool(rounds[c]) for c in configs]
     by = {(r["strategy"], r["slowdown"]): r for r in runs}
     ddp_fast, ddp_slow = by[("ddp", 1.0)], by[("ddp", SLOWDOWN)]
     summary = {
@@ -159,6 +182,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     bandwidth = measure_bandwidth(reps=2 if quick else 5)
     return {
         "quick": quick,
+        "rounds": 1 if quick else ROUNDS,
         "epochs": epochs,
         "repeat": repeat,
         "slowdown": SLOWDOWN,
@@ -179,7 +203,7 @@ def format_table(results: dict[str, Any]) -> str:
     quick = ", QUICK: not a measurement" if results["quick"] else ""
     lines = [
         f"ivyplug bench ps (2 workers, epochs={results['epochs']}, data x{results['repeat']}, slow worker "
-        f"{results['slowdown']:g}x{quick})",
+        f"{results['slowdown']:g}x, {results.get('rounds', 1)} interleaved round(s){quick})",
         f"{'strategy':<12} {'slow':>5} {'epoch s':>8} {'CPU s':>6} {'samples/s':>10} {'val acc':>8} {'MB/epoch':>9} "
         f"{'pushes r0/r1':>13} {'load':>10}",
     ]

@@ -25,11 +25,15 @@ def test_summary_and_table_on_canned_results(monkeypatch: pytest.MonkeyPatch) ->
 
     def fake_job(strategy: str, slowdown: float, epochs: int, repeat: int, timeout: float) -> dict[str, Any]:
         t = wall[(strategy, slowdown)]
+        calls.append((strategy, slowdown))
         return {
             "strategy": strategy,
             "slowdown": slowdown,
+            "epoch_times": [9.0, t, t],  # the first epoch (start-up) is left out
+            "epoch_cpu_seconds": [20.0, 2 * t, 2 * t],
             "epoch_time": t,
             "epoch_cpu": 2 * t,
+            "train_samples": 23040,
             "samples_per_s": 23040 / t,
             "val_acc": 0.97,
             "bytes_sent_per_epoch": 2e8,
@@ -39,9 +43,12 @@ def test_summary_and_table_on_canned_results(monkeypatch: pytest.MonkeyPatch) ->
             "loadavg_after": (0.6, 0.5, 0.5),
         }
 
+    calls: list[tuple[str, float]] = []
     monkeypatch.setattr(ps, "_run_job", fake_job)
     monkeypatch.setattr(ps, "measure_bandwidth", lambda reps: {"gloo_p2p": {4: 1.5}, "ps_push_pull": {4: 0.75}})
     results = ps.run(quick=False)
+    assert len(calls) == 6 * ps.ROUNDS and calls[:6] == calls[6:12]  # every configuration, interleaved rounds
+    assert results["runs"][0]["rounds"] == ps.ROUNDS
     s = results["summary"]
     assert s["throughput_vs_ddp"]["ivy_ps_sync"] == pytest.approx(3.0 / 3.3)
     assert s["cpu_vs_ddp"]["ivy_ps"] == pytest.approx(3.1 / 3.0)

@@ -82,14 +82,22 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         super().__init__()
         self.config = PSConfig(mode=mode, staleness=staleness, staleness_scaling=staleness_scaling, timeout=timeout)
         self.client: Any = None
-        self.exchanges = 0
-        self.discarded = 0
         self._delta: Any = None
         self._variables: list[Any] = []
         self._tensors: list[Any] = []
         self._local = 0
         self._own_group = False
         self._in_fit = False
+
+    @property
+    def exchanges(self) -> int:
+        """Deltas this worker pushed during the last (or current) fit."""
+        return self._delta.exchanges if self._delta is not None else 0
+
+    @property
+    def discarded(self) -> int:
+        """Non-finite deltas that were pushed as zero."""
+        return self._delta.discarded if self._delta is not None else 0
 
     # -- start and stop ---------------------------------------------------------------------------
     def _join_workers(self) -> int:
@@ -166,7 +174,6 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._delta.exchange(self._local)
         self._local = 0
         self._write_back()
-        self.exchanges, self.discarded = self._delta.exchanges, self._delta.discarded
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self.client is None:

@@ -67,7 +67,7 @@ class AsyncLAMB(LAMB):
         merge_rate: float | None = None,
     ) -> None:
         self.sync_every = check_sync_every(sync_every)
-        check_merge_rate(merge_rate)
+        check_merge_rate(merge_rate)  # before LAMB's own checks: the new argument's error comes first
         super().__init__(
             params,
             lr=lr,

@@ -106,10 +106,9 @@ class ShardServer:
         self._norms: dict[int, dict[int, float]] = {}
         # (worker, its clock, min live clock) at each ssp release; the latest ones only (for tests/diagnosis)
         self.ssp_trace: deque[tuple[int, int, int]] = deque(maxlen=SSP_TRACE_LEN)
-        # parked replies: (worker, deliver(snapshot, version, staleness))
-        self._parked: list[tuple[int, int, Callable[[torch.Tensor, int, int], None]]] = []
-        # parked replies' error paths: called if the shard fails while they wait (see fail())
-        self._refusals: dict[int, Callable[[], None]] = {}
+        # parked replies: (worker, staleness, deliver(snapshot, version, staleness), refuse() or None);
+        # refuse answers with an error instead if the shard fails while the reply waits (see fail())
+        self._parked: list[tuple[int, int, Callable[[torch.Tensor, int, int], None], Callable[[], None] | None]] = []
         self._snapshot_bufs: dict[int, torch.Tensor] = {}
 
     # -- update rules (call with self.cond held) -----------------------------------------------
@@ -271,21 +270,18 @@ class ShardServer:
         ``refuse`` answers the worker with an error instead if this shard fails first, so it does not
         wait out its ``timeout`` for a reply that cannot come.
         """
-        self._parked.append((worker, staleness, deliver))
-        if refuse is not None:
-            self._refusals[id(deliver)] = refuse
+        self._parked.append((worker, staleness, deliver, refuse))
         self._release()
 
     def _release(self) -> None:
         keep = []
-        for worker, staleness, deliver in self._parked:
+        for worker, staleness, deliver, refuse in self._parked:
             if self.ready(worker, after_push=True):
                 self._record_release(worker)
                 snap, version = self.snapshot(worker)
-                self._refusals.pop(id(deliver), None)
                 deliver(snap, version, staleness)
             else:
-                keep.append((worker, staleness, deliver))
+                keep.append((worker, staleness, deliver, refuse))
         self._parked = keep
         self.cond.notify_all()
 
@@ -340,12 +336,10 @@ class ShardServer:
             self.error = f"{type(exc).__name__}: {exc}"
             print(f"[ivyplug.ps] shard {self.shard} error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             parked, self._parked = self._parked, []
-            for _, _, deliver in parked:  # waiting remote workers get an error reply now, not a timeout
-                refuse = self._refusals.pop(id(deliver), None)
+            for _, _, _, refuse in parked:  # waiting remote workers get an error reply now, not a timeout
                 if refuse is not None:
                     with contextlib.suppress(Exception):
                         refuse()
-            self._refusals.clear()
             self.cond.notify_all()
 
     # -- checkpoints ----------------------------------------------------------------------------

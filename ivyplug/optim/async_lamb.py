@@ -141,7 +141,7 @@ class AsyncLAMB(LAMB):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One local LAMB step; every ``sync_every``-th step also exchanges with the PS."""
-        loss = super().step(closure)
+        loss = self._lamb_step(closure)  # not super().step(): that would run the step hooks a second time
         if self.attached:
             self.local_steps += 1
             if self.local_steps >= self.sync_every:
@@ -170,11 +170,18 @@ class AsyncLAMB(LAMB):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling builds a detached exchange; ``load_state_dict`` (which also lands here) keeps the live one.
+
+        Rebuilding it on load would silently detach a wired optimizer from its PS and drop its ``merge_rate``.
+        """
         state = dict(state)
         counts = (int(state.pop("exchanges", 0)), int(state.pop("discarded_exchanges", 0)))
         merge_rate = state.pop("merge_rate", None)
+        live = self.__dict__.get("delta")
         super().__setstate__(state)
         self.__dict__.setdefault("sync_every", 4)
+        if isinstance(live, DeltaExchange):
+            return
         self.local_steps = 0
         self.delta = DeltaExchange(self._held(), merge_rate)  # a copy is not attached to the original's PS
         self.delta.exchanges, self.delta.discarded = counts

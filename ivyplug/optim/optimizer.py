@@ -13,6 +13,11 @@ Policies (documented choices):
 * **Kernel choice**: ``foreach=None`` resolves at the first step by the device rule of
   :func:`ivyplug.optim.functional.resolve_foreach`, and the resolved bool is written into the param group, so it
   is saved in ``state_dict()`` and a resumed run uses the same kernel.
+* **Loading**: ``load_state_dict`` accepts what ``torch.optim.Adam`` accepts. A saved param group that lacks one
+  of LAMB's hyperparameters (a hand-written or foreign checkpoint) keeps the value of the group it replaces, and
+  a per-parameter ``step`` stored as a Python number becomes LAMB's 0-dim float32 counter.
+* **Hooks**: step pre-/post-hooks run once per ``step()``, also in subclasses that extend ``step``
+  (:class:`~ivyplug.optim.AsyncLAMB`): they call the unhooked :meth:`LAMB._lamb_step`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,34 @@ from ivyplug.optim.functional import Workspace, global_grad_norm, lamb, resolve_
 __all__ = ["LAMB"]
 
 _CLIP_EPS = 1e-6
+
+#: The constructor's defaults for every per-group key: what a group read from an old pickle means by a key it
+#: lacks (``__setstate__`` fills ``defaults`` from here, then the groups from ``defaults``, as torch.optim does).
+_GROUP_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-6,
+    "weight_decay": 0.01,
+    "bias_correction": True,
+    "max_trust_ratio": 10.0,
+    "min_trust_ratio": 0.0,
+    "exclude_from_layer_adaptation": False,
+    "foreach": None,
+}
+
+
+def _step_counter(value: object) -> Tensor:
+    """LAMB's step counter (0-dim float32 on CPU, where the kernels read it) from a number or any tensor.
+
+    torch.optim accepts a Python number here (checkpoints of older torch versions); the kernels need a tensor.
+    """
+    if isinstance(value, Tensor):
+        if value.dtype == torch.float32 and value.device.type == "cpu" and value.dim() == 0:
+            return value
+        return value.detach().to(device="cpu", dtype=torch.float32).reshape(())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"a LAMB step counter must be a number or a tensor, got {value!r}")
+    return torch.tensor(float(value), dtype=torch.float32)
 
 
 def _check_group(group: dict[str, Any]) -> None:
@@ -122,7 +155,16 @@ class LAMB(torch.optim.Optimizer):
             raise
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """Also run by ``load_state_dict``: fills keys a group lacks and turns numeric steps into tensors."""
         super().__setstate__(state)
+        for key, value in _GROUP_DEFAULTS.items():
+            self.defaults.setdefault(key, value)
+        for group in self.param_groups:
+            for key in _GROUP_DEFAULTS:
+                group.setdefault(key, self.defaults[key])
+        for param_state in self.state.values():
+            if isinstance(param_state, dict) and "step" in param_state:
+                param_state["step"] = _step_counter(param_state["step"])
         self.__dict__.setdefault("skipped_steps", 0)
         self.__dict__.setdefault("max_grad_norm", None)
         self._workspace = Workspace()
@@ -140,8 +182,19 @@ class LAMB(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load; a saved group keeps the replaced group's value for a hyperparameter it lacks.
+
+        The replaced group holds what this optimizer was configured with (per group, e.g. by
+        :func:`~ivyplug.optim.lamb_param_groups`), a better guess than the global defaults.
+        """
         sd = dict(state_dict)
         skipped = int(sd.pop("skipped_steps", 0))
+        saved_groups = sd.get("param_groups")
+        if isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
+            sd["param_groups"] = [
+                {**{k: group[k] for k in _GROUP_DEFAULTS if k in group}, **saved} if isinstance(saved, dict) else saved
+                for group, saved in zip(self.param_groups, saved_groups, strict=True)
+            ]
         super().load_state_dict(sd)
         self.skipped_steps = skipped
 
@@ -174,6 +227,15 @@ class LAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One LAMB step over all groups, or none at all when a gradient is not finite."""
+        return self._lamb_step(closure)
+
+    @torch.no_grad()
+    def _lamb_step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """The step without torch's hooks around it.
+
+        torch wraps each class's ``step`` in its hook runner; a subclass whose ``step`` called ``super().step()``
+        would run the hooks twice (once any LAMB exists), so subclasses call this instead.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -21,6 +21,7 @@ group's collectives (``reduce``/``broadcast``/``barrier`` for ``sync_dist``, ``M
 
 from __future__ import annotations
 
+import atexit
 import logging
 import warnings
 from collections.abc import Callable, Mapping
@@ -37,6 +38,7 @@ from ivyplug.integrations.lightning.ps_metrics import PSMetricsLogger
 from ivyplug.integrations.lightning.trainer_checks import per_step_collective_problems
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -54,6 +56,32 @@ CHECKPOINT_FORMAT = 1
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: Lightning versions whose training epoch loop was checked for per-batch collectives.
 _CHECKED_LIGHTNING = ("2.4.", "2.5.", "2.6.")
+
+
+def _destroy_default_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _release_default_group(launcher: Any) -> None:
+    """Destroy the default process group when this process is done with it, not between stages.
+
+    Lightning destroys it only for NCCL, and gloo workers abort at exit without it. A spawned worker runs
+    one stage and exits, so it destroys the group now. A popen or torchrun rank keeps its process for the
+    Trainer's next ``validate``/``test``/``predict``/``fit``, which reuses the group (Lightning initialises
+    it once): destroying it here made that next stage rendezvous again on the same port while the other
+    rank still held the old store ("Connection refused", or a hang). Those ranks destroy it at exit.
+    """
+    if isinstance(launcher, _MultiProcessingLauncher):
+        _destroy_default_group()
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        global _EXIT_HOOK_INSTALLED
+        if not _EXIT_HOOK_INSTALLED:
+            _EXIT_HOOK_INSTALLED = True
+            atexit.register(_destroy_default_group)
+
+
+_EXIT_HOOK_INSTALLED = False
 
 
 def _first(*values: Any) -> Any:
@@ -328,9 +356,7 @@ class IvyPSStrategy(DDPStrategy):
                 client.close()
         finally:
             super().teardown()
-            # Lightning destroys the default group only for NCCL; spawned gloo workers abort at exit without it.
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+            _release_default_group(self.launcher)
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:

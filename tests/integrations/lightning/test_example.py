@@ -36,7 +36,12 @@ _LAUNCH_ENV = (
 
 
 def run_example(cwd: Path, timeout: float) -> tuple[int, str]:
-    """Run the example as a user does, in a clean launch environment and a session of its own.
+    """Run the example as a user does (see :func:`run_script`)."""
+    return run_script([str(EXAMPLE), "--quick"], cwd, timeout)
+
+
+def run_script(args: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
+    """Run ``python *args`` as a user does, in a clean launch environment and a session of its own.
 
     On a hang every process of the session is sent SIGABRT first (faulthandler prints each thread's
     stack into the output), then SIGKILL; the test fails with that output.
@@ -44,7 +49,7 @@ def run_example(cwd: Path, timeout: float) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("TORCHELASTIC_")}
     env["PYTHONFAULTHANDLER"] = "1"
     proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--quick"],
+        [sys.executable, *args],
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
@@ -62,7 +67,7 @@ def run_example(cwd: Path, timeout: float) -> tuple[int, str]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate(timeout=30)
-            pytest.fail(f"the example hung for {timeout:g} s; its output, with every process's stacks:\n{out[-12000:]}")
+            pytest.fail(f"{args[0]} hung for {timeout:g} s; its output, with every process's stacks:\n{out[-12000:]}")
     finally:
         with contextlib.suppress(ProcessLookupError):  # also a worker orphaned by a failed rank 0
             os.killpg(proc.pid, signal.SIGKILL)

@@ -1,0 +1,73 @@
+"""One popen-launched job (2 ranks) running every Trainer stage on one Trainer per PS configuration.
+
+For each (mode, num_servers): ``validate`` before ``fit``, ``fit``, then ``validate``, ``test``,
+``predict`` and a second ``fit`` with a larger ``max_epochs`` on the same Trainer, with Lightning's own
+``BoringModel``. Each rank prints one ``STAGES {json}`` line per configuration: the stages that ran, the
+global step after each fit and a checksum of its parameters (equal on both ranks: the global model).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from ivyplug.integrations.lightning import IvyPSStrategy
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+MODES = {"ivy_ps": "async", "ivy_ps_sync": "sync", "ivy_ps_ssp": "ssp"}
+
+
+def run(name: str, num_servers: int) -> dict[str, object]:
+    seed_everything(0)
+    mode = MODES[name]
+    strategy = IvyPSStrategy(mode=mode, staleness=2 if mode == "ssp" else None, num_servers=num_servers, timeout=60)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_train_batches=8,
+        limit_val_batches=2,
+        limit_test_batches=2,
+        limit_predict_batches=2,
+    )
+    model = BoringModel()
+    done: list[str] = []
+    steps: list[int] = []
+    trainer.validate(model)
+    done.append("validate")
+    trainer.fit(model)
+    done.append("fit")
+    steps.append(trainer.global_step)
+    for stage in ("validate", "test", "predict"):
+        getattr(trainer, stage)(model)
+        done.append(stage)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model)
+    done.append("fit")
+    steps.append(trainer.global_step)
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return {
+        "config": f"{name}/{num_servers}",
+        "rank": trainer.global_rank,
+        "stages": done,
+        "steps": steps,
+        "checksum": checksum,
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+    }
+
+
+def main() -> None:
+    for item in sys.argv[1:]:
+        name, servers = item.split("/")
+        print("STAGES " + json.dumps(run(name, int(servers))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

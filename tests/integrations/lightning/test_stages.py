@@ -1,0 +1,39 @@
+"""fit, then validate / test / predict and a second fit on the same Trainer, in every PS mode and topology.
+
+Real popen-launched ranks (as ``Trainer(devices=2)`` runs from a script): the ranks keep their processes
+and the default process group between stages, which is what broke when the strategy destroyed the group
+at the end of each stage.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .test_example import run_script
+
+JOB = Path(__file__).with_name("stages_job.py")
+CONFIGS = [f"{name}/{servers}" for servers in (0, 2) for name in ("ivy_ps", "ivy_ps_sync", "ivy_ps_ssp")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(290)
+def test_every_stage_after_fit_on_one_trainer(tmp_path: Path) -> None:
+    returncode, out = run_script([str(JOB), *CONFIGS], tmp_path, timeout=270)
+    assert returncode == 0, out[-4000:]
+    results = [json.loads(line[len("STAGES ") :]) for line in out.splitlines() if line.startswith("STAGES ")]
+    by_config: dict[str, list[dict]] = {}
+    for r in results:
+        by_config.setdefault(r["config"], []).append(r)
+    assert sorted(by_config) == sorted(CONFIGS), out[-4000:]
+    for config, ranks in by_config.items():
+        assert sorted(r["rank"] for r in ranks) == [0, 1], config
+        for r in ranks:
+            assert r["stages"] == ["validate", "fit", "validate", "test", "predict", "fit"], config
+            assert r["finite"], config
+        # the second fit continued from the first: more steps, on every rank
+        assert all(r["steps"][1] > r["steps"][0] > 0 for r in ranks), (config, ranks)
+        # both ranks end with the global model (pulled at the end of fit)
+        assert ranks[0]["checksum"] == ranks[1]["checksum"], (config, ranks)

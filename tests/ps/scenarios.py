@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ivyplug.ps import PSClient, PSConfig
+from tests.ps.diffs import max_abs_diff
 
 
 def mlp(seed: int, bn: bool = False) -> torch.nn.Module:
@@ -76,7 +77,7 @@ def sync_equivalence(rank: int, world: int) -> dict[str, Any]:
             ref_opt.step()
             ref_sched.step()
         client.sync()
-        out[name] = max(float((a - b).abs().max()) for a, b in zip(_params(model), _params(ref), strict=True))
+        out[name] = max_abs_diff(_params(model), _params(ref))
         out[f"{name}_split"] = client.plan.split_tensors()  # max_shard_bytes="auto" (the default)
         out[f"{name}_balance"] = client.plan.balance
         client.close()
@@ -150,12 +151,18 @@ def resume_bitwise(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def ssp_trace(rank: int, world: int, staleness: int, slow_rank: int, steps: int) -> dict[str, Any]:
-    """ssp: the slowed rank sleeps each step; record step start and push-send times on the shared clock."""
+def step_clocks(rank: int, world: int, mode: str, staleness: int | None, slow_rank: int, steps: int) -> dict[str, Any]:
+    """The workers' own record of an ssp (or, as a control, async) run; the slowed rank sleeps each step.
+
+    On the system-wide monotonic clock each worker notes when it starts step c (``starts[c]``), when it
+    calls ``step`` to push step c (``sends[c]``) and when that step's pull returned (``returns[c]``).
+    Nothing is read from the server: tests/ps/test_distributed.py checks the SSP bound from these alone.
+    """
     model = mlp(seed=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    client = start(model, opt, mode="ssp", staleness=staleness, timeout=30.0)
-    starts, sends = [], []
+    client = start(model, opt, mode=mode, staleness=staleness, timeout=30.0)
+    dist.barrier()  # every worker starts step 0 together: the fast ones' lead is what the mode allows
+    starts, sends, returns = [], [], []
     for step in range(steps):
         starts.append(time.monotonic())
         x, y = batch(step, 4)
@@ -165,12 +172,11 @@ def ssp_trace(rank: int, world: int, staleness: int, slow_rank: int, steps: int)
             time.sleep(0.03)
         sends.append(time.monotonic())
         client.step(4)
+        returns.append(time.monotonic())
     client.sync()
-    assert client.server is not None
-    trace = list(client.server.ssp_trace)
     metrics = client.metrics()
     client.close()
-    return {"starts": starts, "sends": sends, "trace": trace, "metrics": metrics}
+    return {"starts": starts, "sends": sends, "returns": returns, "metrics": metrics}
 
 
 def dispatch(rank: int, world: int, slow_rank: int) -> dict[str, Any]:
@@ -222,7 +228,7 @@ def dedicated_servers(rank: int, world: int) -> dict[str, Any]:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
             ref_opt.step()
         client.sync()
-        out[name] = max(float((a - b).abs().max()) for a, b in zip(_params(model), _params(ref), strict=True))
+        out[name] = max_abs_diff(_params(model), _params(ref))
         out[f"{name}_versions"] = [s["version"] for s in client.state_dict()["shards"]]
         out["procs_before_close"] = len(client.server_procs)
         client.close()
@@ -235,7 +241,8 @@ def session_world2(rank: int, world: int) -> dict[str, Any]:
         "sync_equivalence": sync_equivalence(rank, world),
         "buffers": buffers_rule(rank, world),
         "resume": resume_bitwise(rank, world),
-        "ssp": ssp_trace(rank, world, staleness=1, slow_rank=1, steps=12),
+        "ssp": step_clocks(rank, world, "ssp", staleness=1, slow_rank=1, steps=12),
+        "ssp_async": step_clocks(rank, world, "async", staleness=None, slow_rank=1, steps=12),
         "dispatch": dispatch(rank, world, slow_rank=0),
         "lost": nothing_lost(rank, world, rounds=3, pushes=12),
         "dedicated": dedicated_servers(rank, world),
@@ -279,10 +286,11 @@ def nothing_lost(rank: int, world: int, rounds: int, pushes: int) -> dict[str, A
 
 
 def session_world3(rank: int, world: int, outdir: str) -> dict[str, Any]:
-    """3 workers: nothing lost, SSP bound (results saved per rank), then the last rank goes silent."""
+    """3 workers: nothing lost, SSP bound + async control (results saved per rank), then the last rank goes silent."""
     results = {
         "lost": nothing_lost(rank, world, rounds=2, pushes=10),
-        "ssp": ssp_trace(rank, world, staleness=2, slow_rank=2, steps=10),
+        "ssp": step_clocks(rank, world, "ssp", staleness=2, slow_rank=2, steps=10),
+        "ssp_async": step_clocks(rank, world, "async", staleness=None, slow_rank=2, steps=10),
     }
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     return silent_peer(rank, world)

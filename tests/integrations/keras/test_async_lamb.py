@@ -8,11 +8,14 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
 import pytest
 from ivyplug.integrations.keras import LAMB, AsyncLAMB, AsyncLAMBExchange
+
+from tests.ps.diffs import max_abs_diff
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -83,9 +86,161 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_keras_workers_average_into_one_global_model(tmp_path: Path) -> None:
-    """async (the torch twin's tests cover sync across processes; sync within a worker is tested above)."""
-    mode = "async"
+# --------------------------------------------------------------------------------------------------
+# Two real Keras worker processes: every pushed delta and pulled copy recorded, the merges replayed
+# --------------------------------------------------------------------------------------------------
+
+#: the -c program of each worker: tests/integrations/keras/async_lamb_worker.py (which sets KERAS_BACKEND
+#: before Keras is imported) with the exchange callback replaced by the recording one below
+_RECORDING_WORKER = (
+    "import tests.integrations.keras.async_lamb_worker as worker\n"
+    "from tests.integrations.keras.test_async_lamb import record_exchanges\n"
+    "record_exchanges()\n"
+    "worker.main()\n"
+)
+
+
+def record_exchanges() -> None:
+    """In a worker process: make ``AsyncLAMBExchange`` record what goes through the PS (test code only).
+
+    The recording subclass wraps, after the callback has started the PS, the client's ``step`` (what
+    ``DeltaExchange.exchange`` calls: the pseudo-gradient in the params' ``.grad`` is what gets pushed, the
+    params afterwards hold the pulled global copy) and this process's shard server's ``push`` (the order
+    the pushes of both workers reached this shard, with the staleness the server gave each). At the end of
+    ``fit`` it pickles the records, the plan's row blocks and the final weights to ``OUT/rank{r}.pkl``.
+    """
+    import pickle
+
+    import ivyplug.integrations.keras as ivy_keras
+    from ivyplug.integrations.keras.async_lamb import AsyncLAMBExchange
+
+    out, rank = sys.argv[1], int(os.environ["RANK"])
+
+    class RecordingExchange(AsyncLAMBExchange):
+        def on_train_begin(self, logs: dict | None = None) -> None:
+            initial = [np.array(v.numpy(), dtype=np.float32) for v in self.model.trainable_variables]
+            super().on_train_begin(logs)
+            client, params = self.client, self._delta.params
+            server = client.server
+            self.record = {
+                "rank": rank,
+                "initial": initial,  # rank 0's are the servers' starting copy
+                "shard": server.shard,
+                "pieces": [[(p.index, p.kind, p.row_start, p.row_end) for p in ps] for ps in client.plan.pieces],
+                "merge_rate": self._delta.outer.param_groups[0]["lr"],
+                "staleness_scaling": self.config.staleness_scaling,
+                "pushes": [],  # (num_samples, pushed pseudo-gradient = snapshot - local, per tensor)
+                "pulls": [],  # the params right after that push's reply: the global copy pulled back
+                "arrivals": [],  # (worker, staleness) of every push that reached this process's shard
+            }
+            step, push = client.step, server.push
+
+            def recording_step(num_samples: int, max_grad_norm: float | None = None) -> None:
+                pushed = [p.grad.detach().numpy().copy() for p in params]
+                step(num_samples, max_grad_norm)
+                self.record["pushes"].append((num_samples, pushed))
+                self.record["pulls"].append([p.detach().numpy().copy() for p in params])
+
+            def recording_push(worker: int, data: Any, hyper: Any) -> int:
+                tau = push(worker, data, hyper)  # called with the shard's lock held: this is arrival order
+                self.record["arrivals"].append((worker, tau))
+                return tau
+
+            client.step = recording_step
+            server.push = recording_push
+
+        def on_train_end(self, logs: dict | None = None) -> None:
+            super().on_train_end(logs)
+            self.record["final"] = [np.array(v.numpy()) for v in self.model.trainable_variables]
+            with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
+                pickle.dump(self.record, f)
+
+    ivy_keras.AsyncLAMBExchange = RecordingExchange  # what the worker's `from ... import` picks up
+
+
+def _rows(pieces: list[tuple[int, str, int, int]], shape_of: list[tuple[int, ...]]) -> list[tuple[int, Any]]:
+    """(tensor index, index expression) of a shard's parameter row blocks."""
+    out = []
+    for index, kind, lo, hi in pieces:
+        if kind == "param":
+            out.append((index, slice(lo, hi) if len(shape_of[index]) else ...))
+    return out
+
+
+def staleness_scale(tau: int) -> float:
+    """``staleness_scaling="inverse"``: a push of staleness tau steps with lr / (tau + 1) (ivyplug/ps/server.py)."""
+    return 1.0 / (tau + 1)
+
+
+def replay_merges(
+    records: list[dict[str, Any]],
+    mode: str,
+    rate_factor: float = 1.0,
+    drop: tuple[int, int] | None = None,
+    ignore_staleness: bool = False,
+) -> tuple[list[np.ndarray], list[list[list[np.ndarray]]]]:
+    """The server's merge rule replayed in float64 on the recorded deltas: (final copy, expected pulls).
+
+    The servers run SGD with lr = merge_rate on the pushed pseudo-gradient g = snapshot - local = -delta
+    (ivyplug/ps/delta_exchange.py, ivyplug/ps/server.py):
+    - sync: step k merges the weighted mean of the workers' k-th deltas, x += rate * sum(n_w d_w) / sum(n_w),
+      with n_w the local steps a worker reports (merge_rate None -> rate 1); every reply is x after step k.
+    - async: each delta merges on arrival, x += rate * d (merge_rate None -> rate 1/num_workers), times
+      :func:`staleness_scale` of its staleness tau. The rule is linear in the deltas, but their weights depend
+      on the arrival order through the taus: only with scaling "none" is the result x0 + rate * (sum of all
+      deltas), whatever the order. So each shard (its row blocks) is replayed in the order its pushes
+      arrived; a reply is the shard's copy right after that push (push and snapshot happen under one lock).
+    ``rate_factor``, ``drop`` (worker, exchange) and ``ignore_staleness`` replay a wrong rule (the test's
+    check must reject them).
+    """
+    world = len(records)
+    rate = (1.0 if mode == "sync" else 1.0 / world) * rate_factor
+    x0 = [a.astype(np.float64) for a in records[0]["initial"]]
+    shapes = [a.shape for a in x0]
+    deltas = [[[-g.astype(np.float64) for g in pushed] for _, pushed in r["pushes"]] for r in records]
+    if drop is not None:
+        w, j = drop
+        deltas[w][j] = [np.zeros_like(d) for d in deltas[w][j]]
+    pulls: list[list[list[np.ndarray]]] = [[[np.full(s, np.nan) for s in shapes] for _ in r["pushes"]] for r in records]
+    final = [np.full(s, np.nan) for s in shapes]
+    if mode == "sync":
+        x = [a.copy() for a in x0]
+        for k in range(len(records[0]["pushes"])):
+            n = [float(r["pushes"][k][0]) for r in records]
+            for i in range(len(x)):
+                x[i] += rate * sum(n[w] * deltas[w][k][i] for w in range(world)) / sum(n)
+            for w in range(world):
+                pulls[w][k] = [a.copy() for a in x]
+        return x, pulls
+    by_shard = {r["shard"]: r["arrivals"] for r in records}
+    for shard, pieces in enumerate(records[0]["pieces"]):
+        rows = _rows(pieces, shapes)
+        if not rows:
+            continue
+        x = [a.copy() for a in x0]
+        count = [0] * world
+        for w, tau in by_shard[shard]:
+            j = count[w]
+            count[w] += 1
+            inverse = records[0]["staleness_scaling"] == "inverse" and not ignore_staleness
+            scale = staleness_scale(tau) if inverse else 1.0
+            for i, where in rows:
+                x[i][where] += rate * scale * deltas[w][j][i][where]
+                pulls[w][j][i][where] = x[i][where]
+        for i, where in rows:
+            final[i][where] = x[i][where]
+    return final, pulls
+
+
+def _close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=False)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_two_keras_workers_merge_their_deltas_as_the_server_rule_says(tmp_path: Path, mode: str) -> None:
+    """Two Keras processes (digits MLP, H = 4): every pushed delta and every pulled global copy is recorded,
+    and a float64 replay of the merge rule on those deltas gives every pulled copy and the final model."""
     port = _free_port()
     procs = []
     try:
@@ -94,7 +249,7 @@ def test_two_keras_workers_average_into_one_global_model(tmp_path: Path) -> None
             env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "tests.integrations.keras.async_lamb_worker", str(tmp_path), mode],
+                    [sys.executable, "-c", _RECORDING_WORKER, str(tmp_path), mode],
                     cwd=str(REPO),
                     env=env,
                     stdout=subprocess.PIPE,
@@ -109,12 +264,53 @@ def test_two_keras_workers_average_into_one_global_model(tmp_path: Path) -> None
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+    import pickle
+
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    records = []
+    for r in (0, 1):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
+            records.append(pickle.load(f))
     for a, b in zip(r0["weights"], r1["weights"], strict=True):  # both hold the servers' final copy
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert r0["val_acc"][-1] == r1["val_acc"][-1] >= 0.9  # validated the same global model
     # 720 samples each = 23 steps/epoch; H = 4 gives 5 exchanges + 1 flush per epoch
     assert r0["exchanges"] == r1["exchanges"] == 5 * 6
+    assert [len(r["pushes"]) for r in records] == [30, 30]
+    assert [n for r in records for n, _ in r["pushes"]] == ([4] * 5 + [3]) * 5 * 2  # local steps per push
+    assert sorted(r["shard"] for r in records) == [0, 1]
+    assert records[0]["merge_rate"] == pytest.approx(1.0 if mode == "sync" else 0.5)
+    for r in records:  # every push reached this shard once, each worker's in its order (30 each)
+        assert sorted(w for w, _ in r["arrivals"]) == [0] * 30 + [1] * 30
+    if mode == "async":  # the staleness the server gave a push is at most the other's pushes since our last
+        for r in records:
+            last = {0: 0, 1: 0}
+            for pos, (w, tau) in enumerate(r["arrivals"]):
+                others = sum(1 for v, _ in r["arrivals"][last[w] : pos] if v != w)
+                assert 0 <= tau <= others, (pos, r["arrivals"])
+                last[w] = pos + 1
+    else:
+        assert all(tau == 0 for r in records for _, tau in r["arrivals"])
+    final, pulls = replay_merges(records, mode)
+    assert len(r0["weights"]) == len(final)  # Dense layers only: the weights are the trainable variables
+    _close([np.asarray(w, dtype=np.float64) for w in r0["weights"]], final)
+    for r in records:
+        _close(r["final"], final)
+        for j, pulled in enumerate(r["pulls"]):
+            try:
+                _close(pulled, pulls[r["rank"]][j])
+            except AssertionError as exc:
+                raise AssertionError(f"worker {r['rank']}'s pull after exchange {j}") from exc
+    assert max_abs_diff(final, records[0]["initial"]) > 0.05  # the merges moved the model
+    # the comparison is sharp: rate x 0.5 (async: merge_rate applied twice; sync: the mean halved), x 2 (the
+    # sum, not the mean), one delta skipped (first, middle, last of each worker), staleness scale not applied: rejected
+    wrong = [replay_merges(records, mode, rate_factor=f)[0] for f in (0.5, 2.0)]
+    wrong += [replay_merges(records, mode, drop=(w, j))[0] for w in (0, 1) for j in (0, 17, 29)]
+    if any(staleness_scale(tau) != 1.0 for r in records for _, tau in r["arrivals"]):
+        wrong.append(replay_merges(records, mode, ignore_staleness=True)[0])
+    for x in wrong:
+        with pytest.raises(AssertionError):
+            _close(records[0]["final"], x)
 
 
 def test_docstring_example_runs() -> None:

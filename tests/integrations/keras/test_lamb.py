@@ -308,7 +308,10 @@ def _fit(
 
 
 def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    return max(float(np.max(np.abs(p - q))) for p, q in zip(a, b, strict=True))
+    """NaN-propagating (tests/ps/diffs.py): a NaN in any weight fails both ``< 1e-6`` and ``> 1e-4``."""
+    from tests.ps.diffs import max_abs_diff
+
+    return max_abs_diff(a, b)
 
 
 class _OwnKeysMirroredStrategy(tf.distribute.MirroredStrategy):

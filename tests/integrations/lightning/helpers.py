@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 
+from tests.ps.diffs import max_abs_diff as _max_abs_diff
+
 
 def quiet_trainer(strategy: Any, devices: int, **kwargs: Any) -> Trainer:
     kwargs.setdefault("logger", False)
@@ -47,8 +49,9 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest ``|a[k] - b[k]|`` over every entry, in float64; NaN if any entry's difference is NaN."""
     assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    return _max_abs_diff([a[k] for k in a], [b[k] for k in a])
 
 
 def reference_training(

@@ -3,10 +3,12 @@
 ``integrations/`` and ``benchmarks/`` are shipped as ``ivyplug.integrations`` and
 ``ivyplug.benchmarks``; their subpackages are discovered here so adding one needs no edit.
 
-The Lightning auto-registration ``.pth`` file (``integrations/lightning/autoregister.pth``)
-is placed at the top of site-packages by both ``pip install .`` (custom ``build_py``) and
-``pip install -e .`` (custom ``editable_wheel``): Python runs it at start-up, and it
-registers ``strategy="ivy_ps"`` with Lightning only when Lightning's strategies are imported.
+The auto-registration ``.pth`` files (``integrations/lightning/autoregister.pth``,
+``integrations/keras/autoregister.pth``) are placed at the top of site-packages by both
+``pip install .`` (custom ``build_py``) and ``pip install -e .`` (custom ``editable_wheel``):
+Python runs them at start-up; one registers ``strategy="ivy_ps"`` with Lightning only when
+Lightning's strategies are imported, the other ``ivyplug>LAMB`` and ``ivyplug>AsyncLAMB`` with
+Keras's serialization only when Keras is imported.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from setuptools.command.editable_wheel import editable_wheel
 
 MAPPED = {"integrations": "ivyplug.integrations", "benchmarks": "ivyplug.benchmarks"}
 
-#: Source of the start-up hook and the name it gets in site-packages (sorts after
-#: setuptools' ``__editable__.*.pth``, so the editable finder is active when it runs).
-PTH_SOURCE = Path(__file__).parent / "integrations" / "lightning" / "autoregister.pth"
-PTH_NAME = "ivyplug_lightning_autoregister.pth"
+#: Name in site-packages -> source of each start-up hook (the names sort after setuptools'
+#: ``__editable__.*.pth``, so the editable finder is active when they run).
+PTH_FILES = {
+    "ivyplug_lightning_autoregister.pth": Path(__file__).parent / "integrations" / "lightning" / "autoregister.pth",
+    "ivyplug_keras_autoregister.pth": Path(__file__).parent / "integrations" / "keras" / "autoregister.pth",
+}
 
 packages = find_packages(include=["ivyplug", "ivyplug.*"])
 package_dir = {"ivyplug": "ivyplug"}
@@ -34,31 +38,33 @@ for folder, dotted in MAPPED.items():
 
 
 class BuildPyWithPth(build_py):
-    """Also copy the start-up ``.pth`` to the root of the build (= site-packages once installed)."""
+    """Also copy the start-up ``.pth`` files to the root of the build (= site-packages once installed)."""
 
     def run(self) -> None:
         super().run()
         if not self.editable_mode:
-            target = Path(self.build_lib, PTH_NAME)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.copy_file(str(PTH_SOURCE), str(target), preserve_mode=False)
+            for name, source in PTH_FILES.items():
+                target = Path(self.build_lib, name)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.copy_file(str(source), str(target), preserve_mode=False)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         outputs = list(super().get_outputs(include_bytecode))
         if not self.editable_mode:
-            outputs.append(str(Path(self.build_lib, PTH_NAME)))
+            outputs.extend(str(Path(self.build_lib, name)) for name in PTH_FILES)
         return outputs
 
 
 class _StrategyWithPth:
-    """Wraps setuptools' editable strategy: whatever it writes, the wheel also gets the ``.pth``."""
+    """Wraps setuptools' editable strategy: whatever it writes, the wheel also gets the ``.pth`` files."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
     def __call__(self, wheel: Any, files: list[str], mapping: dict[str, str]) -> None:
         self._inner(wheel, files, mapping)
-        wheel.writestr(PTH_NAME, PTH_SOURCE.read_bytes())
+        for name, source in PTH_FILES.items():
+            wheel.writestr(name, source.read_bytes())
 
     def __enter__(self) -> _StrategyWithPth:
         self._inner.__enter__()
@@ -69,7 +75,7 @@ class _StrategyWithPth:
 
 
 class EditableWheelWithPth(editable_wheel):
-    """``pip install -e .`` ships the same start-up ``.pth`` as a regular install."""
+    """``pip install -e .`` ships the same start-up ``.pth`` files as a regular install."""
 
     def _select_strategy(self, *args: Any, **kwargs: Any) -> Any:
         return _StrategyWithPth(super()._select_strategy(*args, **kwargs))

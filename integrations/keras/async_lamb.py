@@ -25,10 +25,10 @@ from typing import Any
 
 import keras
 import numpy as np
+from ivyplug.integrations.keras import autoregister as _autoregister
 from ivyplug.integrations.keras.lamb import LAMB
 
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
-from ivyplug.ps.delta_exchange import check_merge_rate, check_sync_every
 
 
 @keras.saving.register_keras_serializable(package="ivyplug")
@@ -52,6 +52,10 @@ class AsyncLAMB(LAMB):
     """
 
     def __init__(self, *args: Any, sync_every: int = 4, merge_rate: float | None = None, **kwargs: Any) -> None:
+        # Imported here, not at the top: Keras imports this module to register the class (see
+        # .autoregister), and ivyplug.ps.delta_exchange loads torch.
+        from ivyplug.ps.delta_exchange import check_merge_rate, check_sync_every
+
         sync_every = check_sync_every(sync_every)
         merge_rate = check_merge_rate(merge_rate)
         super().__init__(*args, **kwargs)
@@ -193,3 +197,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._in_fit and self.client is not None:  # validation inside fit sees the global model
             self._meet()
+
+
+# Keras may have been imported for the first time by this module, before AsyncLAMB existed: the registration
+# Keras's import started (see .autoregister) waited for this point.
+_autoregister.finish_deferred()

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
+from ivyplug.integrations.keras import autoregister as _autoregister
 from keras import ops
 
 __all__ = ["LAMB"]
@@ -97,6 +98,10 @@ class LAMB(keras.optimizers.Optimizer):
       correction uses the number of applied steps, as the torch LAMB does.
     * Sparse (``IndexedSlices``) gradients are made dense: LAMB decays every moment entry each step.
 
+    The default ``learning_rate=1e-3`` is the torch LAMB's, so the twins agree; since the trust ratio makes
+    every step a fraction of the layer's own norm, ``1e-2`` is the better start for small Keras models (the
+    README's digits convnet reaches about 0.98 test accuracy in 10 epochs with it, about 0.7 with ``1e-3``).
+
     Example:
         >>> import numpy as np, keras
         >>> from ivyplug.integrations.keras import LAMB
@@ -108,7 +113,7 @@ class LAMB(keras.optimizers.Optimizer):
         >>> _ = model.fit(x, y, epochs=1, verbose=0)
         >>> int(opt.iterations), int(opt.skipped_steps)
         (1, 0)
-        >>> model.compile(optimizer={"class_name": "ivyplug>LAMB", "config": {"learning_rate": 1e-3}}, loss="mse")
+        >>> model.compile(optimizer={"class_name": "ivyplug>LAMB", "config": {"learning_rate": 1e-2}}, loss="mse")
         >>> type(model.optimizer).__name__
         'LAMB'
     """
@@ -308,3 +313,8 @@ class LAMB(keras.optimizers.Optimizer):
             }
         )
         return config
+
+
+# Keras may have been imported for the first time by this module, before LAMB existed: the registration
+# Keras's import started (see .autoregister) waited for this point.
+_autoregister.finish_deferred()

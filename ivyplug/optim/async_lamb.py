@@ -47,7 +47,8 @@ class AsyncLAMB(LAMB):
         1
 
     Under ``Trainer(strategy="ivy_ps")`` the strategy does the wiring. ``exchanges`` counts pushes;
-    ``discarded_exchanges`` counts non-finite deltas that were pushed as zero.
+    ``discarded_exchanges`` counts deltas holding a NaN/Inf that the PS dropped
+    (``nonfinite="skip"``).
     """
 
     def __init__(

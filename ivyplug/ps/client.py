@@ -10,6 +10,7 @@ processes instead (dedicated.py). A second gloo group among the workers carries 
 from __future__ import annotations
 
 import io
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -26,11 +27,17 @@ from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.loop import ServerLoop
 from ivyplug.ps.messages import Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
 from ivyplug.ps.mirror import OptimizerSpec, is_elementwise
-from ivyplug.ps.server import ShardServer, load_state_bytes, piece_shape
+from ivyplug.ps.server import PushFlag, ShardServer, encode_mask, load_state_bytes, nonfinite_in, piece_shape
 from ivyplug.ps.sharding import ShardPlan, TensorSpec, auto_max_shard_bytes, build_plan
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
 
-STATE_FORMAT = "ivyplug.ps/1"
+STATE_FORMAT = "ivyplug.ps/2"  # 2: integer buffers held as int64 bits (format 1 held them as fp32 values)
+
+log = logging.getLogger(__name__)
+
+
+class PSNonFiniteError(FloatingPointError):
+    """A worker's push holds a NaN or Inf and ``PSConfig.nonfinite="raise"``."""
 
 
 @dataclass
@@ -43,6 +50,7 @@ class _Metrics:
     bytes_received: int = 0
     wait_seconds: float = 0.0
     batches: int = 0
+    nonfinite_skipped: int = 0
     per_shard_staleness: list[int] = field(default_factory=list)
 
 
@@ -130,6 +138,13 @@ class PSClient:
             raise ValueError("optimizer is required: its class and hyperparameters are mirrored on the servers")
         self.optimizer = optimizer
         self.spec = OptimizerSpec.from_optimizer(optimizer, [p for _, p in self.params])
+        if cfg.mode != "sync" and cfg.staleness_scaling == "inverse":
+            missing = [i for i, g in enumerate(optimizer.param_groups) if "lr" not in g]
+            if missing:
+                raise ValueError(
+                    f"staleness_scaling='inverse' scales the servers' learning rate per push, but param group(s) "
+                    f"{missing} of {type(optimizer).__name__} have no 'lr'; use staleness_scaling='none'"
+                )
         specs = [TensorSpec(n, tuple(p.shape), "param", True) for n, p in self.params]
         specs += [TensorSpec(n, tuple(b.shape), "buffer", b.is_floating_point()) for n, b in self.buffers]
         num_shards = cfg.num_servers if self.dedicated else world_size
@@ -214,16 +229,15 @@ class PSClient:
         return self.params[index][1] if index < n else self.buffers[index - n][1]
 
     def _flat_local(self) -> torch.Tensor:
-        """All params then buffers of this process, flat fp32 (used for the initial broadcast)."""
-        ts = [p.detach().reshape(-1).float().cpu() for _, p in self.params] + [
-            b.detach().reshape(-1).float().cpu() for _, b in self.buffers
-        ]
+        """All params then buffers of this process, flat fp32 words (used for the initial broadcast)."""
+        ts = [p.detach().reshape(-1).float().cpu() for _, p in self.params]
+        ts += [_buffer_words(b) for _, b in self.buffers]
         return torch.cat(ts) if ts else torch.zeros(0)
 
     def _gather_shard(self, full: torch.Tensor, shard: int, out: torch.Tensor) -> None:
         starts = [0]
         for s in self.plan.specs:
-            starts.append(starts[-1] + s.numel)
+            starts.append(starts[-1] + s.words)
         for p in self.plan.pieces[shard]:
             spec = self.plan.specs[p.index]
             row = spec.numel // (spec.shape[0] if spec.shape else 1) if spec.shape else 1
@@ -248,6 +262,9 @@ class PSClient:
         for p in self.plan.pieces[shard]:
             dst = out[p.offset : p.offset + p.numel]
             t = self._tensor(p.index)
+            if not p.is_float:
+                dst.copy_(_buffer_words(t))
+                continue
             if p.kind == "param":
                 g = t.grad
                 if g is None:
@@ -268,6 +285,9 @@ class PSClient:
             for p in self.plan.pieces[shard]:
                 t = self._tensor(p.index)
                 spec = self.plan.specs[p.index]
+                if not p.is_float:  # int64 bits, exact (cloned: a view needs 8-byte alignment)
+                    t.copy_(flat[p.offset : p.offset + p.numel].clone().view(torch.int64).view(t.shape))
+                    continue
                 src = flat[p.offset : p.offset + p.numel].view(piece_shape(spec.shape, p))
                 if t.dim() > 0 and (p.row_start, p.row_end) != (0, t.shape[0]):
                     t[p.row_start : p.row_end].copy_(src)
@@ -333,7 +353,11 @@ class PSClient:
         h = self.channel.wait_reply(hbuf, works, f"rank {dst}'s reply to {what}")
         self.m.wait_seconds += time.monotonic() - t0
         if h.status != Status.OK:
-            raise PSProtocolError(f"PS server on rank {dst} failed while answering {what} (see its stderr)")
+            try:
+                text = self.channel.recv_error_text(dst, h.arg3)
+            except (PSProtocolError, PSTimeoutError) as exc:
+                text = f"(its error text could not be received: {exc})"
+            raise PSProtocolError(f"PS server on rank {dst} failed while answering {what}: {text or 'no details'}")
         if h.flags & Flag.STOP:
             self._remote_stop = True
         self.m.bytes_received += 128 + 4 * h.numel
@@ -393,19 +417,23 @@ class PSClient:
             ],
             dtype=torch.float64,
         )
-        hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
         shards = self.plan.nonempty_shards()
+        packed = {s: self._pack(s, clip) for s in shards}
+        flags = self._check_push(packed)
+        has_grad = encode_mask([p.grad is not None for _, p in self.params])
+        extra = torch.tensor([float(flags), *has_grad], dtype=torch.float64)
+        hyper = torch.cat([prefix, extra, self.spec.encode(self.optimizer)])
         pending = []
         for s in shards:
             dst = self._server_rank(s)
             if dst != self.rank:
-                data = self._pack(s, clip)
+                data = packed[s]
                 pending.append((s, dst, *self._request(Kind.PUSH_PULL, s, dst, data, hyper, data.numel())))
         staleness: list[int] = []
         for s in shards:
             if self._server_rank(s) == self.rank:
                 assert self.server is not None
-                data = self._pack(s, clip)
+                data = packed[s]
                 t0 = time.monotonic()
                 snap, _, tau = self.server.local_push_pull(self.rank, data, hyper, self.cfg.timeout)
                 self.m.wait_seconds += time.monotonic() - t0
@@ -427,6 +455,42 @@ class PSClient:
             tau_max = max(staleness)
             self.m.staleness_sum += tau_max
             self.m.staleness_max = max(self.m.staleness_max, tau_max)
+
+    def _check_push(self, packed: dict[int, torch.Tensor]) -> int:
+        """Push flags after checking the whole push (every shard's part) for NaN/Inf, before any is sent.
+
+        Checking here, where the whole push is at hand, makes the policy atomic: every shard gets the same
+        flag, so no shard applies part of a push that another drops.
+        """
+        bad = [s for s, data in packed.items() if nonfinite_in(data, self.plan.float_ranges(s)) is not None]
+        if not bad:
+            return 0
+        step = self.m.pushes + 1
+        name = self._first_nonfinite()
+        if self.cfg.nonfinite == "raise":
+            raise PSNonFiniteError(
+                f"rank {self.rank}, step {step}: non-finite values in {name} (the first non-finite tensor of its "
+                "push); nonfinite='raise' stops training (nonfinite='skip' drops such a push and goes on)"
+            )
+        self.m.nonfinite_skipped += 1
+        log.warning(
+            "ivyplug PS: rank %d, step %d: non-finite values in %s; its whole push was dropped on every shard "
+            "(nonfinite='skip', %d so far)",
+            self.rank,
+            step,
+            name,
+            self.m.nonfinite_skipped,
+        )
+        return PushFlag.NONFINITE
+
+    def _first_nonfinite(self) -> str:
+        for n, p in self.params:
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return f"the gradient of {n!r}"
+        for n, b in self.buffers:
+            if b.is_floating_point() and not bool(torch.isfinite(b).all()):
+                return f"buffer {n!r}"
+        return "a pushed tensor"
 
     def sync(self) -> None:
         """Collective: let every in-flight push land, then pull the global params and buffers."""
@@ -511,6 +575,8 @@ class PSClient:
         return {
             "format": STATE_FORMAT,
             "mode": self.cfg.mode,
+            "num_servers": self.cfg.num_servers,
+            "num_workers": self.world_size,
             "num_shards": self.plan.num_shards,
             "plan_signature": self.plan.signature(),
             "shards": shards,
@@ -563,18 +629,27 @@ class PSClient:
         """Collective: restore every shard from :meth:`state_dict` output (given on every rank), then pull."""
         self._check_open()
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a PS state dict (expected format {STATE_FORMAT!r})")
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a PS state dict of this ivyplug (format {found!r}, expected {STATE_FORMAT!r})")
+        saved, here = _topology(state), _topology(self.state_meta())
         if state["num_shards"] != self.plan.num_shards or state["plan_signature"] != self.plan.signature():
             raise ValueError(
-                f"PS state was saved with {state['num_shards']} shards of another model/plan; this job has "
-                f"{self.plan.num_shards} shards (same model, world size and max_shard_bytes are needed)"
+                f"cannot resume: the PS state was saved by a job with {saved}, this job has {here}; the shard plan "
+                "differs: another model, number of shards or max_shard_bytes (resume with the same ones)"
             )
+        if state.get("num_workers", self.world_size) != self.world_size:
+            raise ValueError(f"cannot resume: the PS state was saved by a job with {saved}, this job has {here}")
+        # another mode: parameters, buffers and optimizer state carry over; clocks restart at the version
+        convert = state["mode"] != self.cfg.mode
+        shards = [dict(sh, reset_clocks=True) if convert else sh for sh in state["shards"]]
+        if convert:
+            log.info("ivyplug PS: resuming a %s-mode state in %s mode (clocks restart)", state["mode"], self.cfg.mode)
         self._barrier("every worker to reach load_state_dict()")
         if self.dedicated:
             if self.rank == 0:
                 for s in range(self.plan.num_shards):
                     buf = io.BytesIO()
-                    torch.save(state["shards"][s], buf)
+                    torch.save(shards[s], buf)
                     blob = buf.getvalue()
                     dst = self._server_rank(s)
                     hbuf, works, _, _ = self._request(
@@ -583,9 +658,18 @@ class PSClient:
                     self._finish(hbuf, works, dst, f"loading the state of shard {s}")
         else:
             assert self.server is not None
-            self.server.load_state(state["shards"][self.server.shard])
+            self.server.load_state(shards[self.server.shard])
         self._barrier("every shard to load its state")
         self._pull_all("the pull after load_state_dict()")
+
+    def state_meta(self) -> dict[str, Any]:
+        """What a state dict records about the job that wrote it (mode and topology)."""
+        return {
+            "mode": self.cfg.mode,
+            "num_servers": self.cfg.num_servers,
+            "num_workers": self.world_size,
+            "num_shards": self.plan.num_shards,
+        }
 
     # -- metrics and teardown ---------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -600,6 +684,7 @@ class PSClient:
             "bytes_received": float(m.bytes_received),
             "wait_seconds": m.wait_seconds,
             "batches": float(m.batches),
+            "nonfinite_skipped": float(m.nonfinite_skipped),
         }
 
     def server_versions(self) -> dict[int, int]:
@@ -657,3 +742,19 @@ class PSClient:
             self._store = None
         if err is not None:
             raise err
+
+
+def _buffer_words(b: torch.Tensor) -> torch.Tensor:
+    """A buffer as flat fp32 words: float buffers by value, integer ones as their int64 bits (exact)."""
+    flat = b.detach().reshape(-1).cpu()
+    if b.is_floating_point():
+        return flat.float()
+    return flat.to(torch.int64).view(torch.float32)
+
+
+def _topology(state: dict[str, Any]) -> str:
+    """'mode async, 2 workers, 2 shards (one per worker)' for error messages."""
+    servers = state.get("num_servers")
+    where = "one per worker" if servers == 0 else (f"num_servers={servers}" if servers is not None else "?")
+    workers = state.get("num_workers", "?")
+    return f"mode {state.get('mode')!r}, {workers} workers, {state.get('num_shards')} shards ({where})"

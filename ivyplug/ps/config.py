@@ -8,6 +8,7 @@ from typing import Any
 
 MODES: tuple[str, ...] = ("sync", "async", "ssp")
 STALENESS_SCALINGS: tuple[str, ...] = ("inverse", "none")
+NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -18,11 +19,15 @@ class PSConfig:
     ``mode``: ``"sync"`` (all workers' gradients of a step combined, weighted by sample count),
     ``"async"`` (each push applied on arrival) or ``"ssp"`` (async, but a worker blocks while it is more
     than ``staleness`` steps ahead of the slowest live worker). ``staleness`` is required for ``ssp`` and
-    refused otherwise. ``staleness_scaling="inverse"`` scales a gradient of staleness tau >= 1 by 1/tau
-    (async/ssp only). ``timeout`` bounds every wait on the PS, in seconds. ``num_servers=0`` co-locates one
-    shard with each worker; ``k > 0`` runs k dedicated CPU server processes. ``max_shard_bytes`` splits
-    larger tensors row-wise; ``"auto"`` (default) splits only where the optimizer's update is element-wise,
-    so that shards balance (sharding.py), ``None`` keeps whole tensors.
+    refused otherwise. ``staleness_scaling="inverse"`` (async/ssp) takes the server's step for a push
+    made ``tau`` updates after its worker's pull with learning rate ``lr / (tau + 1)`` (``"none"``: ``lr``).
+    ``nonfinite``: what a push with a NaN or Inf (gradient, delta or float buffer) does: ``"skip"``
+    (default) drops that worker's whole push on every shard, ``"raise"`` stops with an error naming the
+    rank, the step and the first non-finite tensor. ``timeout`` bounds every wait on the PS, in seconds.
+    ``num_servers=0`` co-locates one shard with each worker; ``k > 0`` runs k dedicated CPU server
+    processes. ``max_shard_bytes`` splits larger tensors row-wise; ``"auto"`` (default) splits only where
+    the optimizer's update is element-wise, so that shards balance (sharding.py), ``None`` keeps whole
+    tensors.
     """
 
     mode: str = "async"
@@ -31,6 +36,7 @@ class PSConfig:
     timeout: float = DEFAULT_TIMEOUT_S
     num_servers: int = 0
     max_shard_bytes: int | str | None = "auto"
+    nonfinite: str = "skip"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -49,6 +55,8 @@ class PSConfig:
             raise ValueError(
                 f"PSConfig.staleness_scaling must be one of {STALENESS_SCALINGS}, got {self.staleness_scaling!r}"
             )
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"PSConfig.nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
         if (
             isinstance(self.timeout, bool)
             or not isinstance(self.timeout, (int, float))

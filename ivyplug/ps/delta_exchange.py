@@ -3,13 +3,16 @@
 The merge runs on the existing PS machinery: the servers mirror an *outer* optimizer, plain SGD with
 ``lr = merge_rate``, and the worker pushes the pseudo-gradient x_pulled − x_local (= −Δ), so the servers
 apply ``x ← x + merge_rate · Δ``. Every PS rule then holds unchanged: sync mode combines the workers' deltas
-weighted by their local step counts before one merge; async/ssp merge each delta on arrival, scaled by 1/τ
-when stale (``staleness_scaling="inverse"``); buffers follow the PS buffer rule at every exchange.
+weighted by their local step counts before one merge; async/ssp merge each delta on arrival, with the
+outer rate divided by τ + 1 for a delta made τ merges after its pull (``staleness_scaling="inverse"``);
+buffers follow the PS buffer rule at every exchange; a non-finite delta follows the PS's ``nonfinite``
+policy like any push.
 
 ``merge_rate=None`` picks 1.0 in sync mode (the global copy moves by the mean delta) and 1/num_workers in
-async/ssp (once every worker pushed, the global copy moved by the mean of their deltas). A non-finite delta
-is replaced by zero (counted in ``discarded``): nothing non-finite reaches the servers, and the worker
-restarts from the global copy. Used by ``ivyplug.optim.AsyncLAMB`` and the Keras ``AsyncLAMB``.
+async/ssp (once every worker pushed, the global copy moved by the mean of their deltas). A delta with a
+NaN/Inf is dropped whole by the PS (``nonfinite="skip"``, counted in ``discarded``; in sync mode it counts
+zero local steps) or stops training (``"raise"``); either way nothing non-finite reaches the servers, and
+after a drop the worker restarts from the global copy. Used by ``ivyplug.optim.AsyncLAMB`` and the Keras ``AsyncLAMB``.
 """
 
 from __future__ import annotations
@@ -84,14 +87,13 @@ class DeltaExchange:
             raise RuntimeError("exchange() needs a PS: start a PSClient with outer_optimizer() and attach() it")
         saved = [p.grad for p in self.params]
         pseudo = [s - p.detach() for s, p in zip(self.snapshot, self.params, strict=True)]
-        if pseudo and not all(bool(torch.isfinite(g).all()) for g in pseudo):
-            for g in pseudo:
-                g.zero_()
-            self.discarded += 1
+        skipped = client.metrics()["nonfinite_skipped"]
         try:
             for p, g in zip(self.params, pseudo, strict=True):
                 p.grad = g
-            client.step(max(1, int(local_steps)))
+            client.step(max(1, int(local_steps)))  # the PS checks the whole push (nonfinite policy)
+            if client.metrics()["nonfinite_skipped"] > skipped:
+                self.discarded += 1
         finally:
             for p, old in zip(self.params, saved, strict=True):
                 p.grad = old

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ivyplug.ps.dispatch import BatchQueue
-from ivyplug.ps.messages import Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
+from ivyplug.ps.messages import MAX_ERROR_TEXT, Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
 from ivyplug.ps.server import ShardServer, load_state_bytes
 from ivyplug.ps.transport import Channel
 
@@ -64,11 +64,23 @@ class ServerLoop(threading.Thread):
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=shard, seq=request.seq, flags=self._flags(), **args)
         self.channel.send(to, h, data, reply=True, wait=False)
 
-    def _reply_error(self, to: int, request: Header) -> None:
+    def _reply_error(self, to: int, request: Header, text: str | None = None) -> None:
         """An ERROR reply carrying a zero payload of the size the requester posted a receive for, so that
-        its receive completes and it fails at once (not after ``timeout``) and nothing stays posted."""
-        h = Header(kind=Kind.REPLY, sender=self.channel.rank, seq=request.seq, status=Status.ERROR, flags=self._flags())
+        its receive completes and it fails at once (not after ``timeout``) and nothing stays posted; then
+        the error's text (``text``, else the shard's recorded error), which the requester raises with."""
+        if text is None:
+            text = (self.server.error if self.server is not None else None) or "unknown error"
+        blob = f"rank {self.channel.rank}: {text}".encode()[:MAX_ERROR_TEXT]
+        h = Header(
+            kind=Kind.REPLY,
+            sender=self.channel.rank,
+            seq=request.seq,
+            status=Status.ERROR,
+            flags=self._flags(),
+            arg3=len(blob),
+        )
         self.channel.send(to, h, torch.zeros(self._reply_numel(request)), reply=True, wait=False)
+        self.channel.send_error_text(to, blob)
 
     def _reply_numel(self, request: Header) -> int:
         """fp32 elements of the reply payload a request of this kind expects (see client.py)."""
@@ -103,7 +115,7 @@ class ServerLoop(threading.Thread):
                     self.server.fail(exc)
                 if header.kind in _WANTS_REPLY:
                     try:
-                        self._reply_error(header.sender, header)
+                        self._reply_error(header.sender, header, f"{type(exc).__name__}: {exc}")
                     except Exception as reply_exc:  # the requester is gone too: keep serving the others
                         print(
                             f"[ivyplug.ps] rank {self.channel.rank} could not send the error reply to rank "

@@ -22,6 +22,10 @@ TAG_REQUEST_DATA = 12  # fp32 payload of a request (received from the header's s
 TAG_REQUEST_HYPER = 13  # fp64 payload of a request
 TAG_REPLY = 21  # reply headers (received from the server a worker asked)
 TAG_REPLY_DATA = 22  # fp32 payload of a reply
+TAG_REPLY_TEXT = 23  # UTF-8 text of an error reply (header arg3 = its length in bytes), after the payload
+
+#: longest error text a server sends back (the rest is cut)
+MAX_ERROR_TEXT = 4000
 
 
 class Kind:

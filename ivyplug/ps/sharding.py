@@ -47,6 +47,12 @@ class TensorSpec:
             n *= d
         return n
 
+    @property
+    def words(self) -> int:
+        """fp32 words it takes on the wire and on the servers: an integer buffer travels as int64 bits
+        (two words per element), so counters stay exact past 2**24."""
+        return self.numel if self.is_float else 2 * self.numel
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -60,9 +66,10 @@ class Piece:
     kind: str
     row_start: int
     row_end: int
-    numel: int
+    numel: int  # fp32 words (two per element of an integer buffer, see TensorSpec.words)
     shard: int
     offset: int
+    is_float: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +116,24 @@ class ShardPlan:
         largest = max((p.nbytes for ps in self.pieces for p in ps), default=0)
         return max(self.ideal_bytes, float(largest))
 
+    def float_ranges(self, shard: int) -> list[tuple[int, int]]:
+        """Word ranges ``[a, b)`` of ``shard``'s flat vector that hold floats (params, float buffers),
+        merged where adjacent: what a finiteness check looks at (integer bits are no floats)."""
+        out: list[tuple[int, int]] = []
+        for p in self.pieces[shard]:
+            if not p.is_float:
+                continue
+            if out and out[-1][1] == p.offset:
+                out[-1] = (out[-1][0], p.offset + p.numel)
+            else:
+                out.append((p.offset, p.offset + p.numel))
+        return out
+
+    @property
+    def num_params(self) -> int:
+        """Parameter tensors in the plan (the length of a push's has-gradient mask)."""
+        return sum(1 for s in self.specs if s.kind == "param")
+
     def nonempty_shards(self) -> list[int]:
         return [s for s, ps in enumerate(self.pieces) if ps]
 
@@ -136,7 +161,7 @@ class ShardPlan:
         h = hashlib.sha256()
         h.update(repr((self.num_shards, self.max_shard_bytes)).encode())
         for s in self.specs:
-            h.update(repr((s.name, s.shape, s.kind)).encode())
+            h.update(repr((s.name, s.shape, s.kind, s.is_float)).encode())
         return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
 
 
@@ -148,7 +173,7 @@ def auto_max_shard_bytes(specs: Sequence[TensorSpec], num_shards: int, elementwi
     """
     if not elementwise or num_shards < 2:
         return None
-    total = sum(s.numel for s in specs) * MASTER_ITEMSIZE
+    total = sum(s.words for s in specs) * MASTER_ITEMSIZE
     limit = -(-total // (num_shards * AUTO_PIECES_PER_SHARD))  # ceil
     largest = max((s.numel * MASTER_ITEMSIZE for s in specs if s.kind == "param"), default=0)
     if limit <= 0 or largest <= limit:
@@ -160,7 +185,7 @@ def _items(specs: Sequence[TensorSpec], max_shard_bytes: int | None) -> list[tup
     """Unplaced pieces as (index, kind, row_start, row_end, numel)."""
     items: list[tuple[int, str, int, int, int]] = []
     for i, spec in enumerate(specs):
-        numel = spec.numel
+        numel = spec.words
         rows = spec.shape[0] if spec.shape else 1
         nbytes = numel * MASTER_ITEMSIZE
         if (
@@ -254,7 +279,7 @@ def build_plan(specs: Sequence[TensorSpec], num_shards: int, max_shard_bytes: in
         shard_pieces: list[Piece] = []
         for k in mine:
             index, kind, r0, r1, numel = items[k]
-            shard_pieces.append(Piece(index, kind, r0, r1, numel, shard, offset))
+            shard_pieces.append(Piece(index, kind, r0, r1, numel, shard, offset, specs[index].is_float))
             offset += numel
         plan.pieces.append(shard_pieces)
     return plan

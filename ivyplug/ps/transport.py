@@ -17,12 +17,15 @@ import torch
 from ivyplug.ps.messages import (
     TAG_REPLY,
     TAG_REPLY_DATA,
+    TAG_REPLY_TEXT,
     TAG_REQUEST,
     TAG_REQUEST_DATA,
     TAG_REQUEST_HYPER,
     Header,
     Status,
+    bytes_to_words,
     empty_header,
+    words_to_bytes,
 )
 
 #: how long a server may sit idle between requests (an any-source receive must never time out, see above)
@@ -166,6 +169,23 @@ class Channel:
         for w in works:
             wait_work(w, self.timeout, f"the payload of a kind-{header.kind} message from rank {header.sender}")
         return data, hyper
+
+    def send_error_text(self, dst: int, text: bytes) -> None:
+        """The text of an error reply, sent after it (its header announced the length); not waited for."""
+        if text:
+            words = bytes_to_words(text)
+            with self._send_lock:
+                work = self._isend(words, dst, TAG_REPLY_TEXT, "an error text")
+                self._pending.append((work, (words,), f"an error text to rank {dst}"))
+            self._prune()
+
+    def recv_error_text(self, src: int, nbytes: int) -> str:
+        """Receive the text of an error reply from ``src`` (empty when the header announced none)."""
+        if nbytes <= 0:
+            return ""
+        words = torch.empty((nbytes + 3) // 4, dtype=torch.float32)
+        wait_work(self._irecv(words, src, TAG_REPLY_TEXT, "an error text"), self.timeout, f"rank {src}'s error text")
+        return words_to_bytes(words, nbytes).decode("utf-8", errors="replace")
 
     def post_reply(self, src: int, data: torch.Tensor | None) -> tuple[torch.Tensor, list[Any]]:
         """Post receives for a reply header (and fp32 payload into ``data``) from ``src`` before asking."""

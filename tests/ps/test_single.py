@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -116,28 +118,46 @@ def test_dispatch_and_stop_in_process() -> None:
         client.step(1)
 
 
-def test_staleness_scaling_inverse_scales_by_one_over_tau() -> None:
-    """Drive a shard directly: a push of staleness 3 is scaled by 1/3 (SGD lr=1, no momentum)."""
+def _hyper(spec: Any, opt: torch.optim.Optimizer, num_params: int = 1, flags: int = 0) -> torch.Tensor:
+    """A push's hyper vector as PSClient.step builds it: every parameter has a gradient."""
+    from ivyplug.ps.server import HYPER_PREFIX, encode_mask
+
+    prefix = torch.tensor([-1.0, 1.0, float(flags), *encode_mask([True] * num_params)], dtype=torch.float64)
+    hyper = torch.cat([prefix, spec.encode(opt)])
+    assert hyper.numel() == HYPER_PREFIX + len(encode_mask([True] * num_params)) + spec.num_values
+    return hyper
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_staleness_scaling_inverse_steps_with_lr_over_tau_plus_one(optimizer: str) -> None:
+    """Drive a shard directly: a push made 3 updates after its worker's pull is stepped with lr / 4.
+
+    Adam is the control that the *learning rate* is scaled: its first step is lr · sign(g) whatever the
+    gradient's size, so scaling the gradient by 1/4 (the old rule) would still move every element by lr.
+    """
     from ivyplug.ps.mirror import OptimizerSpec
-    from ivyplug.ps.server import HYPER_PREFIX, ShardServer
+    from ivyplug.ps.server import ShardServer
     from ivyplug.ps.sharding import TensorSpec, build_plan
 
     p = torch.zeros(4, requires_grad=True)
-    opt = torch.optim.SGD([p], lr=1.0)
+    opt = torch.optim.SGD([p], lr=1.0) if optimizer == "sgd" else torch.optim.Adam([p], lr=0.1)
+    lr = opt.param_groups[0]["lr"]
     spec = OptimizerSpec.from_optimizer(opt, [p])
     plan = build_plan([TensorSpec("p", (4,))], 1)
-    for scaling, want in (("inverse", -1.0 / 3.0), ("none", -1.0)):
+    for scaling, want in (("inverse", -lr / 4.0), ("none", -lr)):
         srv = ShardServer(0, plan, PSConfig(mode="async", staleness_scaling=scaling), 2, spec, torch.zeros(4))
-        hyper = torch.cat([torch.tensor([-1.0, 1.0], dtype=torch.float64), spec.encode(opt)])
-        assert hyper.numel() == HYPER_PREFIX + spec.num_values
+        hyper = _hyper(spec, opt)
         with srv.cond:
             srv.snapshot(1)  # worker 1 saw version 0
             for _ in range(3):
                 srv.push(0, torch.zeros(4), hyper)
             before = srv.masters[0].detach().clone()
+            if optimizer == "adam":  # a fresh Adam state, so its step is lr · sign(g) (times the scale)
+                srv.optimizer.state.clear()
             tau = srv.push(1, torch.ones(4), hyper)
         assert tau == 3
-        torch.testing.assert_close(srv.masters[0].detach() - before, torch.full((4,), want))
+        torch.testing.assert_close(srv.masters[0].detach() - before, torch.full((4,), want), rtol=1e-5, atol=1e-7)
+        assert srv.optimizer.param_groups[0]["lr"] == lr  # the scale applied to that step only
 
 
 def test_hyperparameters_follow_the_worker_optimizer() -> None:
@@ -255,3 +275,46 @@ def test_hyperparameters_still_follow_the_worker_optimizer_after_load_state_dict
     client.step(4)
     assert client.server is not None and client.server.optimizer is not None
     assert [g["lr"] for g in client.server.optimizer.param_groups] == [0.05]
+
+
+def test_nonfinite_raise_names_the_rank_the_step_and_the_first_tensor() -> None:
+    from ivyplug.ps.client import PSNonFiniteError
+
+    model = mlp(seed=0)
+    client = start(model, make_opt("adamw", model.parameters()), mode="async", nonfinite="raise")
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(0, 8)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    list(model.parameters())[2].grad[0, 0] = float("nan")
+    with pytest.raises(PSNonFiniteError, match=r"rank 0, step 1: non-finite values in the gradient of '2\.weight'"):
+        client.step(8)
+    assert client.server is not None and client.server.version == 0  # nothing was pushed
+    for got, want in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    client.close()
+
+
+def test_a_failing_dedicated_server_sends_its_error_text_back() -> None:
+    from ivyplug.ps.transport import PSProtocolError
+
+    model = mlp(seed=0)
+    client = start(model, make_opt("sgd", model.parameters()), mode="async", num_servers=1, timeout=60.0)
+    try:
+        state = client.state_dict()
+        state["shards"][0]["params"][0] = torch.zeros(3, 3)  # same plan, wrong shape: the server refuses it
+        with pytest.raises(PSProtocolError, match=r"failed while answering .*checkpoint tensor shape \(3, 3\)"):
+            client.load_state_dict(state)
+    finally:
+        client.close()
+
+
+def test_integer_buffers_travel_as_exact_int64() -> None:
+    model = torch.nn.BatchNorm1d(3)
+    model.num_batches_tracked.fill_(2**40 + 1)  # fp32 would round this to 2**40
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    client = start(model, opt, mode="async")
+    model(torch.randn(4, 3)).sum().backward()
+    client.step(4)
+    assert model.num_batches_tracked.dtype == torch.int64
+    assert int(model.num_batches_tracked) == 2**40 + 2
+    client.close()

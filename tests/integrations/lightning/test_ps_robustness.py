@@ -1,0 +1,101 @@
+"""Lightning fits on the PS with unused layers and a non-finite gradient (2 spawned workers).
+
+Unused parameters: ``ivy_ps_sync`` ends where DDP with ``find_unused_parameters=True`` ends (AdamW's weight
+decay leaves a layer without gradient alone). Non-finite: one NaN gradient element on rank 1 at one step
+leaves every parameter and BatchNorm buffer finite, and the drop is counted in ``ivy/rank1/nonfinite_skipped``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from ivyplug.integrations.lightning import IvyPSStrategy
+from lightning.pytorch import seed_everything
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from .digits import digits_tensors
+from .helpers import max_abs_diff, params_of, quiet_trainer, reaped_children
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+class Branches(pl.LightningModule):
+    """``used`` always runs; ``sometimes`` on rank 0 at even batches only; ``never`` is never called."""
+
+    def __init__(self, optimizer: str = "adamw", nan_at: int | None = None, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.nan_at = nan_at
+        self.used = nn.Sequential(nn.Linear(64, 32), *([nn.BatchNorm1d(32)] if batchnorm else []), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+        self.sometimes = nn.Linear(64, 10)
+        self.never = nn.Linear(64, 10)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.head(self.used(x))
+        if self.global_rank == 0 and batch_idx % 2 == 0:
+            out = out + self.sometimes(x)
+        return nn.functional.cross_entropy(out, y)
+
+    def on_after_backward(self) -> None:
+        if self.nan_at is not None and self.global_rank == 1 and self.trainer.global_step == self.nan_at:
+            self.head.weight.grad[0, 0] = float("nan")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        x, y, _, _ = digits_tensors()
+        return DataLoader(TensorDataset(x[:384], y[:384]), batch_size=32)
+
+
+def test_sync_unused_and_conditionally_used_layers_match_ddp_find_unused_parameters() -> None:
+    seed_everything(0)
+    init = Branches()
+    fits = {}
+    for name, strategy in (
+        ("ps", IvyPSStrategy(mode="sync", start_method="spawn", timeout=60)),
+        ("ddp", DDPStrategy(find_unused_parameters=True, start_method="spawn")),
+    ):
+        model = copy.deepcopy(init)
+        with reaped_children():
+            quiet_trainer(strategy, devices=2, max_epochs=2).fit(model)
+        fits[name] = params_of(model)
+    start = params_of(init)
+    assert max_abs_diff(fits["ps"], fits["ddp"]) <= 1e-5
+    for key in ("never.weight", "never.bias"):
+        torch.testing.assert_close(fits["ps"][key], start[key], rtol=0, atol=0)  # no weight decay step
+    assert max_abs_diff({"w": fits["ps"]["sometimes.weight"]}, {"w": start["sometimes.weight"]}) > 1e-3
+
+
+@pytest.mark.parametrize(("mode", "optimizer"), [("async", "sgd"), ("sync", "adamw")])
+def test_one_nan_gradient_on_one_worker_never_reaches_the_global_model(mode: str, optimizer: str) -> None:
+    seed_everything(0)
+    model = Branches(optimizer=optimizer, nan_at=3, batchnorm=True)
+    trainer = quiet_trainer(IvyPSStrategy(mode=mode, start_method="spawn", timeout=60), devices=2, max_epochs=2)
+    with reaped_children():
+        trainer.fit(model)
+    for name, tensor in model.state_dict().items():
+        assert bool(torch.isfinite(tensor.float()).all()), name
+    assert float(trainer.callback_metrics["ivy/rank1/nonfinite_skipped"]) == 1.0
+    assert float(trainer.callback_metrics["ivy/rank0/nonfinite_skipped"]) == 0.0
+
+
+def test_nonfinite_raise_stops_the_fit_naming_rank_step_and_tensor() -> None:
+    seed_everything(0)
+    model = Branches(optimizer="sgd", nan_at=3)
+    strategy = IvyPSStrategy(mode="sync", start_method="spawn", timeout=60, nonfinite="raise")
+    with (
+        reaped_children(),
+        pytest.raises(Exception, match=r"rank 1, step 4: non-finite values in the gradient of 'head\.weight'"),
+    ):
+        quiet_trainer(strategy, devices=2, max_epochs=1).fit(model)

@@ -8,8 +8,10 @@ outer rate divided by τ + 1 for a delta made τ merges after its pull (``stalen
 buffers follow the PS buffer rule at every exchange; a non-finite delta follows the PS's ``nonfinite``
 policy like any push.
 
-``merge_rate=None`` picks 1.0 in sync mode (the global copy moves by the mean delta) and 1/num_workers in
-async/ssp (once every worker pushed, the global copy moved by the mean of their deltas). A delta with a
+``merge_rate=None`` picks 1.0: in sync mode the global copy moves by the mean delta; in async/ssp the
+staleness rule divides the rate by τ + 1, about num_workers when the workers take turns, so once every worker
+pushed the global copy moved by about the mean of their deltas (a lone worker's fresh delta is applied
+whole). With ``staleness_scaling="none"`` it picks 1/num_workers in async/ssp instead. A delta with a
 NaN/Inf is dropped whole by the PS (``nonfinite="skip"``, counted in ``discarded``; in sync mode it counts
 zero local steps) or stops training (``"raise"``); either way nothing non-finite reaches the servers, and
 after a drop the worker restarts from the global copy. Used by ``ivyplug.optim.AsyncLAMB`` and the Keras ``AsyncLAMB``.
@@ -56,7 +58,7 @@ class DeltaExchange:
         self.exchanges = 0
         self.discarded = 0
 
-    def outer_optimizer(self, mode: str, num_workers: int) -> torch.optim.SGD:
+    def outer_optimizer(self, mode: str, num_workers: int, staleness_scaling: str = "inverse") -> torch.optim.SGD:
         """The optimizer the servers mirror (pass it as ``optimizer=`` to ``PSClient.start``)."""
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
@@ -64,7 +66,7 @@ class DeltaExchange:
             raise ValueError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
         rate = self.merge_rate
         if rate is None:
-            rate = 1.0 if mode == "sync" else 1.0 / num_workers
+            rate = 1.0 if mode == "sync" or staleness_scaling == "inverse" else 1.0 / num_workers
         self.outer = torch.optim.SGD(self.params, lr=rate)
         return self.outer
 

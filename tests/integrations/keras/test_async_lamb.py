@@ -185,7 +185,8 @@ def replay_merges(
     (ivyplug/ps/delta_exchange.py, ivyplug/ps/server.py):
     - sync: step k merges the weighted mean of the workers' k-th deltas, x += rate * sum(n_w d_w) / sum(n_w),
       with n_w the local steps a worker reports (merge_rate None -> rate 1); every reply is x after step k.
-    - async: each delta merges on arrival, x += rate * d (merge_rate None -> rate 1/num_workers), times
+    - async: each delta merges on arrival, x += rate * d (merge_rate None -> rate 1, or 1/num_workers with
+      staleness scaling "none"), times
       :func:`staleness_scale` of its staleness tau. The rule is linear in the deltas, but their weights depend
       on the arrival order through the taus: only with scaling "none" is the result x0 + rate * (sum of all
       deltas), whatever the order. So each shard (its row blocks) is replayed in the order its pushes
@@ -194,7 +195,8 @@ def replay_merges(
     check must reject them).
     """
     world = len(records)
-    rate = (1.0 if mode == "sync" else 1.0 / world) * rate_factor
+    inverse_scaling = records[0]["staleness_scaling"] == "inverse"
+    rate = (1.0 if mode == "sync" or inverse_scaling else 1.0 / world) * rate_factor
     x0 = [a.astype(np.float64) for a in records[0]["initial"]]
     shapes = [a.shape for a in x0]
     deltas = [[[-g.astype(np.float64) for g in pushed] for _, pushed in r["pushes"]] for r in records]
@@ -279,7 +281,7 @@ def test_two_keras_workers_merge_their_deltas_as_the_server_rule_says(tmp_path: 
     assert [len(r["pushes"]) for r in records] == [30, 30]
     assert [n for r in records for n, _ in r["pushes"]] == ([4] * 5 + [3]) * 5 * 2  # local steps per push
     assert sorted(r["shard"] for r in records) == [0, 1]
-    assert records[0]["merge_rate"] == pytest.approx(1.0 if mode == "sync" else 0.5)
+    assert records[0]["merge_rate"] == pytest.approx(1.0)  # the default; async divides by tau + 1 per delta
     for r in records:  # every push reached this shard once, each worker's in its order (30 each)
         assert sorted(w for w, _ in r["arrivals"]) == [0] * 30 + [1] * 30
     if mode == "async":  # the staleness the server gave a push is at most the other's pushes since our last

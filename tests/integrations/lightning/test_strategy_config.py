@@ -125,3 +125,21 @@ def test_project_defaults_from_pyproject_and_environment(tmp_path: Path, monkeyp
     (tmp_path / "pyproject.toml").write_text("[tool.ivyplug.ps]\nnum_servers = -1\n")
     with pytest.raises(ValueError, match=r"PSConfig\.num_servers must be an int >= 0, got -1"):
         IvyPSStrategy()
+
+
+def test_nonfinite_policy_from_argument_environment_and_pyproject(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One option name everywhere: IvyPSStrategy(nonfinite=...), IVYPLUG_PS_NONFINITE, [tool.ivyplug.ps]."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("IVYPLUG_PS_NONFINITE", raising=False)
+    assert IvyPSStrategy().ps_config.nonfinite == "skip"
+    (tmp_path / "pyproject.toml").write_text('[tool.ivyplug.ps]\nnonfinite = "raise"\n')
+    assert Trainer(strategy="ivy_ps_sync", accelerator="cpu", devices=2, logger=False).strategy.ps_config.nonfinite == (
+        "raise"
+    )
+    monkeypatch.setenv("IVYPLUG_PS_NONFINITE", "skip")
+    assert IvyPSStrategy().ps_config.nonfinite == "skip"  # the environment beats the file
+    assert IvyPSStrategy(nonfinite="raise").ps_config.nonfinite == "raise"  # an argument beats both
+    with pytest.raises(ValueError, match=r"PSConfig\.nonfinite must be one of \('skip', 'raise'\), got 'drop'"):
+        IvyPSStrategy(nonfinite="drop")

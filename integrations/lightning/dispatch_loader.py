@@ -9,19 +9,42 @@ end-of-epoch validation), then asks the PS for the next index of the shared queu
 ``world_size..n-1``) until it is empty. Every sample is seen exactly once per epoch, and a worker twice as
 fast trains about twice as many batches.
 
-The sampler has no length, so the loader has none: Lightning shows a progress bar without a total,
-``trainer.estimated_stepping_batches`` is infinite (step-count LR schedules such as ``OneCycleLR``
-need an explicit total), and validation runs when the queue is exhausted.
+Lightning may build this loader before the strategy has started its PS client: a ``configure_optimizers``
+that reads ``trainer.estimated_stepping_batches`` loads the training data inside ``strategy.setup``. So the
+loader reaches the client through :class:`ClientDispatcher`, which looks it up when an epoch starts, and
+its iterator starts only at the first batch (a ``DataLoader`` with worker processes draws indices as soon
+as it is iterated).
+
+Length. How many batches a worker takes is decided while the epoch runs, so the sampler's length is an
+upper bound: n - W + 1 for n batches and W workers (the worker's reserved batch plus every queued one;
+the other W - 1 keep theirs). Lightning uses it as the epoch's batch limit, which therefore never cuts a
+worker short, and ``estimated_stepping_batches`` is ``ceil((n - W + 1) / accumulate_grad_batches) *
+max_epochs``. Each worker steps its own LR scheduler once per optimizer step of its own, so a step-count
+schedule sized from that estimate (``OneCycleLR(total_steps=...)``) never runs past its end, but a worker
+gets through only its share of it: with W equally fast workers each reaches about 1/W of the schedule by the
+end of the fit, a fast worker further than a slow one (and every push carries the pushing worker's
+learning rate). Schedules stepped per epoch (``interval="epoch"``) advance identically on every worker.
+``limit_train_batches`` caps each worker's batches (a fraction is of the upper bound; a worker stopped by
+the cap leaves the one index it asked for ahead untrained), and the progress bar's total is the bound (or
+that cap) while it counts this worker's batches.
+
+A worker's epoch usually ends before that length, where Lightning, given a length, would neither validate
+nor step epoch-interval schedulers (it validates at batch number ``len`` and otherwise ends the epoch at
+``StopIteration``). The sampler therefore asks the queue one batch ahead (as Lightning's own prefetch did
+for a loader without length) and :class:`DispatchEpochEnd` marks the batch after which the queue is empty
+as the epoch's last, so validation and epoch-end schedulers run there, once per epoch on every worker.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 
@@ -31,6 +54,29 @@ class BatchDispatcher(Protocol):
     def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None: ...
 
     def next_batch(self) -> int | None: ...
+
+
+class ClientDispatcher:
+    """The PS client's queue, looked up when an epoch starts: the loader may be built before the client exists."""
+
+    def __init__(self, client: Callable[[], BatchDispatcher | None]) -> None:
+        self._client = client
+        self._bound: BatchDispatcher | None = None
+
+    def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None:
+        client = self._client()
+        if client is None:
+            raise RuntimeError(
+                "the async/ssp training loader was iterated without a PS client: IvyPSStrategy starts the client in "
+                "its setup() during trainer.fit, and the loader hands out batches only inside that fit"
+            )
+        self._bound = client
+        client.start_epoch(epoch, num_batches, reserved=reserved)
+
+    def next_batch(self) -> int | None:
+        if self._bound is None:
+            raise RuntimeError("next_batch() before start_epoch(): the dispatch loader starts every epoch itself")
+        return self._bound.next_batch()
 
 
 class EpochOrder:
@@ -89,6 +135,7 @@ class DispatchBatchSampler:
         self.world_size = world_size
         self.sampler = EpochOrder(dataset_size, shuffle, seed)
         self.served: list[int] = []  # global batch indices this worker got in the current epoch
+        self.last_position: int | None = None  # position in ``served`` after which the queue was empty
 
     @property
     def epoch(self) -> int:
@@ -103,29 +150,131 @@ class DispatchBatchSampler:
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        """Batch ``rank`` first (so no worker ends an epoch empty-handed), then whatever the queue hands out.
-
-        A worker without a single batch would skip Lightning's end-of-epoch validation and leave the others
-        waiting at its collectives; reserving one batch per worker rules that out.
-        """
-        order = self.sampler.order()
+    def _checked_num_batches(self) -> int:
         total = self.num_batches
         if total < self.world_size:
             raise ValueError(
                 f"an async/ssp PS epoch needs at least one batch per worker: {total} batches for "
                 f"{self.world_size} workers (use a smaller batch_size or mode='sync')"
             )
+        return total
+
+    def __len__(self) -> int:
+        """The most batches this worker can take in an epoch: its reserved one and every queued one (n - W + 1).
+
+        An upper bound, so Lightning's per-epoch batch limit never stops a worker early and a step-count
+        schedule sized by ``estimated_stepping_batches`` never runs past its end.
+        """
+        return self._checked_num_batches() - self.world_size + 1
+
+    def is_last(self, position: int) -> bool:
+        """Whether this epoch's batch number ``position`` (0-based) is the last this worker gets."""
+        return self.last_position is not None and position == self.last_position
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Batch ``rank`` first (so no worker ends an epoch empty-handed), then whatever the queue hands out.
+
+        A worker without a single batch would skip Lightning's end-of-epoch validation and leave the others
+        waiting at its collectives; reserving one batch per worker rules that out. The next index is asked for
+        before a batch is yielded, so that the last batch is known when Lightning receives it.
+        """
+        order = self.sampler.order()
+        total = self._checked_num_batches()
         self.served = []
+        self.last_position = None
         self.dispatcher.start_epoch(self.epoch, total - self.world_size, reserved=1)
         index: int | None = self.rank
         while index is not None:
             if not 0 <= index < total:
                 raise RuntimeError(f"the PS dispatched batch {index} but this epoch has {total} batches")
             self.served.append(index)
-            yield order[index * self.batch_size : (index + 1) * self.batch_size]
             queued = self.dispatcher.next_batch()
-            index = None if queued is None else self.world_size + queued
+            following = None if queued is None else self.world_size + queued
+            if following is None:
+                self.last_position = len(self.served) - 1
+            yield order[index * self.batch_size : (index + 1) * self.batch_size]
+            index = following
+
+
+class DispatchLoader(DataLoader):
+    """A ``DataLoader`` whose iterator starts at the first batch, not at ``iter()``.
+
+    With worker processes, ``DataLoader`` draws ``prefetch_factor * num_workers`` index batches as soon as it
+    is iterated, and Lightning iterates the training loader while setting it up, possibly before the PS client
+    exists. Deferring also makes every worker start the epoch's queue (a collective) at its first batch.
+    """
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return _DeferredIterator(self)
+
+
+class _DeferredIterator:
+    def __init__(self, loader: DispatchLoader) -> None:
+        self._loader = loader
+        self._iterator: Iterator[Any] | None = None
+
+    def __iter__(self) -> _DeferredIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._iterator = DataLoader.__iter__(self._loader)
+        return next(self._iterator)
+
+
+def _dispatch_samplers(trainer: Any) -> tuple[list[DispatchBatchSampler], int]:
+    """The dispatch samplers among the training loaders, and how many training loaders there are."""
+    loaders = trainer.train_dataloader
+    if loaders is None:
+        return [], 0
+    flat = [loaders] if isinstance(loaders, DataLoader) else CombinedLoader(loaders).flattened
+    samplers = [
+        dl.batch_sampler
+        for dl in flat
+        if isinstance(dl, DataLoader) and isinstance(dl.batch_sampler, DispatchBatchSampler)
+    ]
+    return samplers, len(flat)
+
+
+class DispatchEpochEnd(Callback):
+    """Ends each worker's epoch at its last dispatched batch; warns if an async/ssp fit trains without dispatch.
+
+    Installed by ``IvyPSStrategy`` in async/ssp mode. Given a loader with a length, Lightning validates at
+    batch number ``len`` and treats that batch as the epoch's last (epoch-interval LR schedulers step there);
+    a dispatch loader's length is only an upper bound, so this callback marks the real last batch instead and
+    lets validation run at it (``val_check_batch`` set to infinity, as Lightning does for a loader without
+    length).
+    """
+
+    def __init__(self) -> None:
+        self._sampler: DispatchBatchSampler | None = None
+        self._warned = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._warned = False  # once per fit
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        samplers, count = _dispatch_samplers(trainer)
+        if samplers and count > 1:
+            raise ValueError(
+                f"IvyPSStrategy(mode='async'/'ssp') dispatches the batches of one training DataLoader, got {count}; "
+                "combine them into one dataset or use mode='sync'"
+            )
+        self._sampler = samplers[0] if samplers else None
+        if self._sampler is not None:
+            trainer.val_check_batch = float("inf")  # validate after this worker's last batch, whenever it comes
+        elif count and not self._warned:
+            self._warned = True
+            rank_zero_warn(
+                "IvyPSStrategy(mode='async'/'ssp') is training without batch dispatch: the training loader was not "
+                "prepared in Lightning's training stage, so every worker trains a fixed slice and a fast worker "
+                "waits for a slow one at epoch end (was trainer.estimated_stepping_batches first read outside "
+                "configure_optimizers or the training hooks?)"
+            )
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._sampler is not None and self._sampler.is_last(batch_idx):
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
 
 def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
@@ -135,10 +284,11 @@ def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
         return True, int(os.environ.get("PL_GLOBAL_SEED", 0))
     if isinstance(sampler, SequentialSampler):
         return False, 0
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
+    name = type(sampler).__name__ + (f" around a {type(inner).__name__}" if inner is not None else "")
     raise ValueError(
-        f"IvyPSStrategy(mode='async'/'ssp') hands out batches itself and needs a plain sampler, got "
-        f"{type(sampler).__name__}; use shuffle=True/False (and the default use_distributed_sampler=True) "
-        "or mode='sync'"
+        f"IvyPSStrategy(mode='async'/'ssp') hands out batches itself and needs a plain sampler, got {name}; "
+        "use shuffle=True/False (and the default use_distributed_sampler=True) or mode='sync'"
     )
 
 
@@ -186,4 +336,29 @@ def make_dispatch_loader(
     }
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
-    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)  # type: ignore[arg-type]
+    return DispatchLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)  # type: ignore[arg-type]
+
+
+def process_async_loader(
+    trainer: Any,
+    dataloader: object,
+    client: Callable[[], BatchDispatcher | None],
+    rank: int,
+    world_size: int,
+) -> object:
+    """async/ssp: the training loader becomes a dispatch loader bound to ``client()`` lazily; others pass through.
+
+    A training loader that can never be dispatched is refused (``ValueError``) rather than trained without
+    dispatch; :class:`DispatchEpochEnd` is installed once per Trainer (it also warns if a fit trains on a
+    loader that did not come through here in the training stage).
+    """
+    if not any(isinstance(c, DispatchEpochEnd) for c in trainer.callbacks):
+        trainer.callbacks.insert(0, DispatchEpochEnd())  # first, so other callbacks see the last batch marked
+    if not trainer.training:
+        return dataloader  # validation, test and predict loaders stay as Lightning prepared them
+    if not isinstance(dataloader, DataLoader):
+        raise ValueError(
+            "IvyPSStrategy(mode='async'/'ssp') hands out the batches of a torch DataLoader, got a training loader of "
+            f"type {type(dataloader).__name__}: return a DataLoader from train_dataloader() or use mode='sync'"
+        )
+    return make_dispatch_loader(dataloader, ClientDispatcher(client), rank=rank, world_size=world_size)

@@ -1,12 +1,20 @@
-"""The async/ssp training loader: a shared batch queue, every sample once per epoch, no length."""
+"""The async/ssp training loader: a shared batch queue, every sample once per epoch, an upper bound as length."""
 
 from __future__ import annotations
 
 import itertools
+import random
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
-from ivyplug.integrations.lightning.dispatch_loader import DispatchBatchSampler, make_dispatch_loader
+from ivyplug.integrations.lightning.dispatch_loader import (
+    DispatchBatchSampler,
+    DispatchEpochEnd,
+    make_dispatch_loader,
+    process_async_loader,
+)
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset, WeightedRandomSampler
 
 
@@ -67,16 +75,136 @@ def test_interleaved_workers_see_every_sample_once_per_epoch(drop_last: bool) ->
     assert orders[2] == torch.randperm(n, generator=g).tolist()
 
 
-def test_make_dispatch_loader_keeps_dataset_and_collate_and_has_no_length() -> None:
+def test_make_dispatch_loader_keeps_dataset_and_collate() -> None:
     ds = TensorDataset(torch.arange(20).float(), torch.arange(20))
     original = DataLoader(ds, batch_size=6, sampler=DistributedSampler(ds, num_replicas=2, rank=0, shuffle=False))
     loader = make_dispatch_loader(original, SharedQueue())  # one worker: batch 0, then the queue
     assert loader.dataset is ds and loader.collate_fn is original.collate_fn
-    with pytest.raises(TypeError):
-        len(loader)
+    assert len(loader) == 4  # one worker can take every batch
     batches = list(loader)
     assert [len(b[1]) for b in batches] == [6, 6, 6, 2]
     assert torch.equal(torch.cat([b[1] for b in batches]), torch.arange(20))  # shuffle=False kept
+
+
+def _drain(workers: list[DispatchBatchSampler], pick: random.Random) -> dict[int, int]:
+    """Run one epoch with the workers asking in a random interleaving; check each one's last batch is flagged."""
+    iters = {r: iter(w) for r, w in enumerate(workers)}
+    taken = dict.fromkeys(iters, 0)
+    while iters:
+        r = pick.choice(sorted(iters))
+        if next(iters[r], None) is None:
+            del iters[r]
+            assert workers[r].is_last(taken[r] - 1) and not workers[r].is_last(taken[r] - 2)
+        else:
+            taken[r] += 1
+    return taken
+
+
+@pytest.mark.parametrize(
+    ("n", "batch", "world", "drop_last"), [(103, 8, 2, False), (103, 8, 2, True), (40, 4, 3, False)]
+)
+def test_length_is_the_most_batches_one_worker_can_take(n: int, batch: int, world: int, drop_last: bool) -> None:
+    """n - W + 1: a worker's reserved batch and every queued one, never exceeded, reached by a worker that takes all."""
+    num_batches = n // batch if drop_last else -(-n // batch)
+    pick = random.Random(0)
+    for epoch in range(20):
+        queue = SharedQueue()
+        workers = [
+            DispatchBatchSampler(queue, n, batch, shuffle=True, drop_last=drop_last, rank=r, world_size=world)
+            for r in range(world)
+        ]
+        assert all(len(w) == num_batches - world + 1 for w in workers)
+        for w in workers:
+            w.set_epoch(epoch)
+        taken = _drain(workers, pick)
+        assert sum(taken.values()) == num_batches
+        assert all(1 <= t <= len(workers[r]) for r, t in taken.items())
+    queue = SharedQueue()  # the others take only their reserved batch: one worker reaches the bound exactly
+    workers = [DispatchBatchSampler(queue, n, batch, shuffle=False, rank=r, world_size=world) for r in range(world)]
+    assert len(list(workers[0])) == len(workers[0])
+    assert all(len(list(w)) == 1 for w in workers[1:])
+    assert DispatchBatchSampler(SharedQueue(), 4, 4, shuffle=False).__len__() == 1
+    with pytest.raises(ValueError, match="at least one batch per worker"):
+        len(DispatchBatchSampler(SharedQueue(), 4, 4, shuffle=False, rank=0, world_size=2))
+
+
+def test_loader_binds_to_the_client_when_the_epoch_starts_not_when_built() -> None:
+    """Lightning builds (and iterates) the loader in strategy.setup, before the PS client exists."""
+    ds = TensorDataset(torch.arange(12))
+    holder: dict[str, SharedQueue | None] = {"client": None}
+    trainer = SimpleNamespace(callbacks=[], training=True)
+    plain = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=False))
+    loader = process_async_loader(trainer, plain, lambda: holder["client"], rank=0, world_size=1)
+    assert isinstance(loader, DataLoader) and len(loader) == 3
+    assert [type(c) for c in trainer.callbacks] == [DispatchEpochEnd]
+    process_async_loader(trainer, plain, lambda: holder["client"], rank=0, world_size=1)
+    assert len(trainer.callbacks) == 1  # installed once per Trainer
+    it = iter(loader)  # what Lightning does while setting up: nothing is asked of the PS yet
+    with pytest.raises(RuntimeError, match="without a PS client"):
+        next(it)
+    holder["client"] = SharedQueue()
+    assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_worker_processes_draw_no_index_before_the_first_batch() -> None:
+    queue = SharedQueue()
+    ds = TensorDataset(torch.arange(12))
+    plain = DataLoader(ds, batch_size=4, num_workers=1, sampler=DistributedSampler(ds, num_replicas=1, rank=0))
+    loader = make_dispatch_loader(plain, queue)
+    it = iter(loader)
+    assert queue.epoch is None  # a plain DataLoader iterator would have drawn indices (and started the epoch) here
+    assert sorted(i for b in it for i in b[0].tolist()) == list(range(12))
+    assert queue.epoch == 0
+
+
+def test_refuses_a_training_loader_it_cannot_dispatch_and_passes_evaluation_loaders() -> None:
+    trainer = SimpleNamespace(callbacks=[], training=True)
+    with pytest.raises(ValueError, match="torch DataLoader, got a training loader of type list"):
+        process_async_loader(trainer, [torch.zeros(2)], lambda: None, rank=0, world_size=1)
+    evaluation = DataLoader(TensorDataset(torch.zeros(4)), batch_size=2)
+    trainer.training = False
+    assert process_async_loader(trainer, evaluation, lambda: None, rank=0, world_size=1) is evaluation
+
+
+def _fit_stub(train_dataloader: object) -> SimpleNamespace:
+    progress = SimpleNamespace(is_last_batch=False)
+    return SimpleNamespace(
+        train_dataloader=train_dataloader,
+        val_check_batch=19,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+    )
+
+
+def test_epoch_end_marks_the_last_dispatched_batch_and_validation_runs_there() -> None:
+    ds = TensorDataset(torch.arange(12))
+    loader = make_dispatch_loader(DataLoader(ds, batch_size=4), SharedQueue())
+    trainer = _fit_stub(loader)
+    callback = DispatchEpochEnd()
+    callback.on_train_start(trainer, None)
+    callback.on_train_epoch_start(trainer, None)
+    assert trainer.val_check_batch == float("inf")  # validate at this worker's last batch, not at batch len()
+    batches = iter(loader)
+    marks = []
+    for batch_idx, _ in enumerate(batches):
+        callback.on_train_batch_start(trainer, None, None, batch_idx)
+        marks.append(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+    assert marks == [False, False, True]
+
+
+def test_epoch_end_warns_once_without_dispatch_and_refuses_several_training_loaders() -> None:
+    callback = DispatchEpochEnd()
+    plain = _fit_stub(DataLoader(TensorDataset(torch.zeros(4)), batch_size=2))
+    callback.on_train_start(plain, None)
+    with pytest.warns(UserWarning, match="training without batch dispatch"):
+        callback.on_train_epoch_start(plain, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback.on_train_epoch_start(plain, None)  # once per fit
+    assert plain.val_check_batch == 19
+    ds = TensorDataset(torch.arange(12))
+    two = {name: make_dispatch_loader(DataLoader(ds, batch_size=4), SharedQueue()) for name in ("a", "b")}
+    with pytest.raises(ValueError, match="one training DataLoader, got 2"):
+        callback.on_train_epoch_start(_fit_stub(two), None)
 
 
 def test_make_dispatch_loader_refuses_what_it_cannot_dispatch() -> None:

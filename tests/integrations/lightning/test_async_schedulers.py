@@ -1,0 +1,158 @@
+"""async/ssp with a step-count LR schedule sized by ``trainer.estimated_stepping_batches``.
+
+Lightning's recipe (``OneCycleLR(total_steps=self.trainer.estimated_stepping_batches)``) loads the
+training loader inside ``strategy.setup``, before the PS client exists. The loader must still be a
+dispatch loader (a fast worker takes more batches), with a length that bounds what one worker can take,
+so the schedule never runs past its end; validation, ``limit_train_batches`` and the progress bar keep
+working although a worker's epoch ends before that length.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ivyplug.integrations.lightning import registration
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from .digits import DigitsMLP
+from .helpers import quiet_trainer, reaped_children
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+TRAIN_SIZE = 640
+BATCH = 32
+NUM_BATCHES = TRAIN_SIZE // BATCH  # 20 global batches per epoch
+WORKERS = 2
+UPPER_BOUND = NUM_BATCHES - WORKERS + 1  # the most one worker can take: all but one reserved per other worker
+EPOCHS = 2
+SLOW_RANK = 1
+
+
+class OneCycleMLP(DigitsMLP):
+    """``OneCycleLR`` sized by ``estimated_stepping_batches``, stepped per batch; records what each worker did."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        self.total_steps = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.hparams.lr, total_steps=self.total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_epoch_start(self) -> None:
+        self.validations = 0
+
+    def on_validation_epoch_end(self) -> None:
+        self.validations += 1
+
+    def on_train_epoch_end(self) -> None:
+        if self.hparams.record_dir is not None:
+            bar = getattr(self.trainer.progress_bar_callback, "train_progress_bar", None)
+            extra = {
+                "total_steps": self.total_steps,
+                "num_training_batches": self.trainer.num_training_batches,
+                "scheduler_steps": self.lr_schedulers().last_epoch,  # type: ignore[union-attr]
+                "validations": self.validations,
+                "bar": None if bar is None else [bar.n, bar.total],
+            }
+            path = Path(self.hparams.record_dir) / f"extra_rank{self.global_rank}_epoch{self.current_epoch}.json"
+            path.write_text(json.dumps(extra))
+        super().on_train_epoch_end()  # writes the batches and samples of this epoch
+
+
+def _model(record: Path) -> OneCycleMLP:
+    return OneCycleMLP(
+        hidden=32,
+        lr=0.05,
+        train_size=TRAIN_SIZE,
+        batch_size=BATCH,
+        shuffle=True,
+        slow_rank=SLOW_RANK,
+        delay_s=0.03,
+        record_dir=str(record),
+    )
+
+
+def _strategy(name: str) -> Any:
+    """The registered ``ivy_ps``/``ivy_ps_ssp`` defaults, spawned, with every wait bounded (a hang fails)."""
+    factory = {"ivy_ps": registration.ivy_ps, "ivy_ps_ssp": registration.ivy_ps_ssp}[name]
+    return factory(start_method="spawn", timeout=60, process_group_timeout=timedelta(seconds=60))
+
+
+def _read(record: Path, rank: int, epoch: int) -> dict[str, Any]:
+    data = json.loads((record / f"rank{rank}_epoch{epoch}.json").read_text())
+    data.update(json.loads((record / f"extra_rank{rank}_epoch{epoch}.json").read_text()))
+    return data
+
+
+@pytest.mark.parametrize("name", ["ivy_ps", "ivy_ps_ssp"])
+def test_one_cycle_sized_by_estimated_stepping_batches_keeps_dispatch_on(name: str, tmp_path: Path) -> None:
+    seed_everything(0)
+    record = tmp_path / "record"
+    record.mkdir()
+    with reaped_children():
+        trainer = quiet_trainer(_strategy(name), devices=WORKERS, max_epochs=EPOCHS, default_root_dir=str(tmp_path))
+        trainer.fit(_model(record))
+
+    batches = {0: 0, 1: 0}
+    for epoch in range(EPOCHS):
+        seen: list[int] = []
+        for rank in (0, 1):
+            data = _read(record, rank, epoch)
+            assert data["total_steps"] == EPOCHS * UPPER_BOUND  # the per-worker upper bound, not infinite
+            assert data["num_training_batches"] == UPPER_BOUND
+            assert data["validations"] == 1, f"rank {rank} epoch {epoch}: validation at this worker's epoch end"
+            assert data["batches"] <= UPPER_BOUND
+            batches[rank] += data["batches"]
+            seen += data["samples"]
+            # each worker's scheduler advances with its own steps, and never past the end of its schedule
+            assert data["scheduler_steps"] == batches[rank] <= EPOCHS * UPPER_BOUND
+        assert sorted(seen) == list(range(TRAIN_SIZE)), f"epoch {epoch}: samples lost or repeated"
+    assert batches[0] + batches[1] == EPOCHS * NUM_BATCHES
+    assert batches[1 - SLOW_RANK] > batches[SLOW_RANK], f"the fast worker took no more batches: {batches}"
+    metrics = trainer.callback_metrics
+    for rank in (0, 1):  # counted by the PS dispatch queue: zero if the fit ran without dispatch
+        assert float(metrics[f"ivy/rank{rank}/batches"]) == batches[rank]
+    assert {"val_acc", "val_loss"} <= set(metrics)
+
+
+def test_limit_train_batches_caps_each_worker_and_the_progress_bar_counts_its_batches(tmp_path: Path) -> None:
+    seed_everything(0)
+    record = tmp_path / "record"
+    record.mkdir()
+    limit = int(UPPER_BOUND * 0.75)  # limit_train_batches=0.75 of the per-worker upper bound: 14 of 20 batches
+    with reaped_children():
+        trainer = Trainer(
+            strategy=_strategy("ivy_ps"),
+            accelerator="cpu",
+            devices=WORKERS,
+            max_epochs=EPOCHS,
+            limit_train_batches=0.75,
+            callbacks=[TQDMProgressBar(refresh_rate=1)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=str(tmp_path),
+        )
+        trainer.fit(_model(record))
+
+    for epoch in range(EPOCHS):
+        seen: list[int] = []
+        taken = {}
+        for rank in (0, 1):
+            data = _read(record, rank, epoch)
+            assert data["num_training_batches"] == limit
+            assert data["total_steps"] == EPOCHS * limit
+            assert data["validations"] == 1
+            if rank == 0:  # the progress bar shows rank 0's epoch: the total is the cap, the count its batches
+                assert data["bar"] == [data["batches"], limit]
+            taken[rank] = data["batches"]
+            seen += data["samples"]
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample trained twice"
+        # the fast worker reaches the cap and stops; the slow one never gets that far
+        assert taken[1 - SLOW_RANK] == limit > taken[SLOW_RANK], taken

@@ -32,7 +32,7 @@ import lightning
 import torch
 import torch.distributed
 from ivyplug.integrations.lightning import registration
-from ivyplug.integrations.lightning.dispatch_loader import make_dispatch_loader
+from ivyplug.integrations.lightning.dispatch_loader import process_async_loader
 from ivyplug.integrations.lightning.launchers import CheckedMultiProcessingLauncher, CheckedSubprocessScriptLauncher
 from ivyplug.integrations.lightning.ps_metrics import PSMetricsLogger
 from ivyplug.integrations.lightning.trainer_checks import per_step_collective_problems
@@ -102,11 +102,15 @@ class IvyPSStrategy(DDPStrategy):
         staleness: for ``mode="ssp"``: a worker blocks while it is more than this many steps ahead of the
             slowest live worker. Required for ssp, refused otherwise.
         num_servers: 0 (default) co-locates one shard with every worker; ``k > 0`` runs k dedicated CPU
-            server processes (for GPU workers). ``num_servers``, ``staleness_scaling`` and ``timeout`` left
-            at ``None`` come from ``[tool.ivyplug.ps]`` in the project's pyproject.toml or ``IVYPLUG_PS_*``
-            variables (:mod:`ivyplug.settings`), else the defaults given here.
-        staleness_scaling: ``"inverse"`` (default) scales a gradient of staleness tau >= 1 by 1/tau;
-            ``"none"`` applies it unscaled (async/ssp only).
+            server processes (for GPU workers). ``num_servers``, ``staleness_scaling``, ``nonfinite`` and
+            ``timeout`` left at ``None`` come from ``[tool.ivyplug.ps]`` in the project's pyproject.toml or
+            ``IVYPLUG_PS_*`` variables (:mod:`ivyplug.settings`), else the defaults given here.
+        staleness_scaling: ``"inverse"`` (default): the server steps a push made ``tau`` updates after its
+            worker's pull with learning rate ``lr / (tau + 1)``; ``"none"``: with ``lr`` (async/ssp only).
+        nonfinite: ``"skip"`` (default): a worker's push holding a NaN or Inf (gradient, buffer) is dropped
+            on every shard, counted as ``ivy/rank{r}/nonfinite_skipped`` and warned about; in sync mode that
+            worker counts zero samples in the step. ``"raise"``: the fit stops with an error naming the rank,
+            the step and the first non-finite tensor.
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
         max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)
@@ -131,6 +135,7 @@ class IvyPSStrategy(DDPStrategy):
         staleness_scaling: str | None = None,
         timeout: float | None = None,
         max_shard_bytes: int | str | None = "auto",
+        nonfinite: str | None = None,
         *,
         process_group_timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -145,7 +150,8 @@ class IvyPSStrategy(DDPStrategy):
         if unknown:
             raise ValueError(
                 f"IvyPSStrategy got unknown keyword argument(s) {sorted(unknown)}; allowed: mode, staleness, "
-                "num_servers, staleness_scaling, timeout, max_shard_bytes, process_group_timeout, start_method, "
+                "num_servers, staleness_scaling, timeout, max_shard_bytes, nonfinite, process_group_timeout, "
+                "start_method, "
                 "accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, "
                 "process_group_backend"
             )
@@ -158,6 +164,7 @@ class IvyPSStrategy(DDPStrategy):
             timeout=_first(timeout, project.get("timeout"), DEFAULT_TIMEOUT_S),
             num_servers=_first(num_servers, project.get("num_servers"), 0),
             max_shard_bytes=max_shard_bytes,
+            nonfinite=_first(nonfinite, project.get("nonfinite"), "skip"),
         )
         if start_method not in START_METHODS:
             raise ValueError(f"IvyPSStrategy.start_method must be one of {START_METHODS}, got {start_method!r}")
@@ -261,7 +268,9 @@ class IvyPSStrategy(DDPStrategy):
         # AsyncLAMB steps locally and pushes deltas every sync_every steps; the servers run its outer SGD
         self._local_steps = isinstance(optimizer, AsyncLAMB)
         served = (
-            optimizer.outer_optimizer(self.mode, self.world_size) if isinstance(optimizer, AsyncLAMB) else optimizer
+            optimizer.outer_optimizer(self.mode, self.world_size, self.ps_config.staleness_scaling)
+            if isinstance(optimizer, AsyncLAMB)
+            else optimizer
         )
         self._client = PSClient.start(
             self.ps_config,
@@ -360,16 +369,17 @@ class IvyPSStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: object) -> object:
+        """async/ssp: the training loader becomes a dispatch loader, which finds the PS client when an epoch starts.
+
+        Lightning may load it before ``setup`` starts the client (``trainer.estimated_stepping_batches`` read in
+        ``configure_optimizers``); a training loader that cannot be dispatched is refused, never trained as is.
+        """
         dataloader = super().process_dataloader(dataloader)
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if (
-            self.is_async
-            and self._client is not None
-            and trainer is not None
-            and trainer.training
-            and isinstance(dataloader, torch.utils.data.DataLoader)
-        ):
-            return make_dispatch_loader(dataloader, self._client, rank=self.global_rank, world_size=self.world_size)
+        if self.is_async and trainer is not None:
+            return process_async_loader(
+                trainer, dataloader, lambda: self._client, rank=self.global_rank, world_size=self.world_size
+            )
         return dataloader
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -18,15 +18,17 @@ loop and the plain ``_foreach`` path use ``m̂/(√v̂+ε) = c·m/(√v+ε·√b
 multi-tensor path lets torch's fused Adam kernel write ``m̂/(√v̂+ε)`` (same formula, torch's rounding).
 
 Device rule for ``foreach=None`` (:func:`resolve_foreach`): the multi-tensor kernel, except on CPU when torch's
-fused Adam kernel cannot serve the dtype, where the per-tensor loop runs. On CPU the multi-tensor kernel computes
-the moments and the Adam direction in one pass through that fused kernel (into a scratch buffer), chunked to stay
-in cache, and was measured faster than the loop; built from plain ``_foreach`` ops it is slower than the loop on
-CPU (lost cache locality; ``ivyplug bench lamb``, docs/benchmarks.md). On accelerators it saves launches, as in
-torch.optim.
+fused Adam kernel cannot serve the dtype, where the per-tensor loop runs. On CPU the multi-tensor kernel
+(:func:`_cpu_fused_lamb`) computes the moments and the Adam direction in one pass through that fused kernel (into
+a scratch buffer), one large tensor at a time and small tensors in blocks of one size, so that a step costs few
+calls per tensor; groups excluded from layer adaptation get torch's fused AdamW update directly. It was measured
+faster than the loop; built from plain ``_foreach`` ops it is slower than the loop on CPU (``ivyplug bench lamb``,
+docs/benchmarks.md). On accelerators it saves launches, as in torch.optim.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -35,6 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "CPU_CHUNK_ELEMENTS",
+    "CPU_SMALL_ELEMENTS",
     "Workspace",
     "global_grad_norm",
     "lamb",
@@ -42,9 +45,12 @@ __all__ = [
     "trust_ratio",
 ]
 
-#: Elements per multi-tensor chunk on CPU: a chunk's six buffers (param, grad, two moments, two scratch) stay in
-#: the shared L3 cache between the kernel's passes.
+#: Elements per block of small tensors, and per piece of a large one, in the CPU kernel: a piece's buffers (param,
+#: grad, both moments, scratch) stay in cache between its passes.
 CPU_CHUNK_ELEMENTS = 1 << 19
+#: Tensors below this size run in multi-tensor blocks on CPU (ATen runs them on one thread anyway, so a call per
+#: tensor and pass would be all overhead); larger ones run alone, in pieces.
+CPU_SMALL_ELEMENTS = 1 << 15
 #: Elements per multi-tensor chunk on accelerators: bounds the scratch memory to two buffers of this size.
 DEVICE_CHUNK_ELEMENTS = 1 << 25
 #: Below this weight decay the kernels do not fold ``1/λ`` into the scratch buffer (``c/λ`` could overflow).
@@ -84,15 +90,24 @@ class Workspace:
     """Scratch buffers that live across steps, so the kernels allocate nothing per step.
 
     One flat buffer per (slot, device, dtype), grown when a larger request arrives; the views carved from it are
-    cached by the shapes asked for, so a steady-state step does a dict lookup per request.
+    cached by the shapes asked for, so a steady-state step does a dict lookup per request. The CPU kernel's
+    constant operands (the step increment, the infinite step that switches off bias correction) live here too.
     """
 
     def __init__(self) -> None:
         self._flat: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
-        self._views: dict[tuple[object, ...], list[Tensor]] = {}
+        self._views: dict[tuple[object, ...], tuple[list[Tensor], list[Tensor], Tensor]] = {}
+        self._constants: dict[tuple[float, torch.device], Tensor] = {}
 
     def views(self, tensors: Sequence[Tensor], slot: int = 0) -> list[Tensor]:
         """Uninitialised scratch tensors shaped like ``tensors`` (same device and dtype), disjoint from each other."""
+        return self._carve(tensors, slot)[0]
+
+    def span(self, tensors: Sequence[Tensor], slot: int = 0) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """:meth:`views`, the same views flattened to 1-D, and the one contiguous 1-D tensor they tile."""
+        return self._carve(tensors, slot)
+
+    def _carve(self, tensors: Sequence[Tensor], slot: int) -> tuple[list[Tensor], list[Tensor], Tensor]:
         first = tensors[0]
         key = (slot, first.device, first.dtype, *(t.shape for t in tensors))
         cached = self._views.get(key)
@@ -106,14 +121,27 @@ class Workspace:
             self._views = {k: v for k, v in self._views.items() if k[:3] != flat_key}
             flat = torch.empty(total, device=first.device, dtype=first.dtype)
             self._flat[flat_key] = flat
-        out: list[Tensor] = []
+        shaped: list[Tensor] = []
+        flats: list[Tensor] = []
         offset = 0
         for t in tensors:
             n = t.numel()
-            out.append(flat[offset : offset + n].view(t.shape))
+            piece = flat[offset : offset + n]
+            flats.append(piece)
+            shaped.append(piece.view(t.shape))
             offset += n
-        self._views[key] = out
-        return out
+        entry = (shaped, flats, flat[:total])
+        self._views[key] = entry
+        return entry
+
+    def constant(self, value: float, device: torch.device) -> Tensor:
+        """A cached 0-dim float32 tensor holding ``value`` (read-only operand of the kernels)."""
+        key = (value, device)
+        t = self._constants.get(key)
+        if t is None:
+            t = torch.full((), value, dtype=torch.float32, device=device)
+            self._constants[key] = t
+        return t
 
     def nbytes(self) -> int:
         """Bytes held by the scratch buffers (for memory accounting)."""
@@ -122,17 +150,19 @@ class Workspace:
     def clear(self) -> None:
         self._flat.clear()
         self._views.clear()
+        self._constants.clear()
 
 
-def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
+def global_grad_norm(grads: Sequence[Tensor], workspace: Workspace | None = None) -> Tensor:
     """The L2 norm of all ``grads`` together (0-dim, float32 or wider, on the first grad's device).
 
-    Not finite when any gradient element is NaN/Inf; this is how the optimizer detects a step to skip.
+    Not finite when any gradient element is NaN/Inf; this is how the optimizer detects a step to skip. On CPU a
+    ``workspace`` lets small gradients be stacked into a scratch buffer and summed in one call.
     """
     if not grads:
         return torch.zeros(())
-    if all(g.device.type == "cpu" for g in grads):
-        return torch.tensor(math.sqrt(math.fsum(_sumsq(g) for g in grads)))
+    if all(g.is_cpu for g in grads):
+        return torch.tensor(math.sqrt(_cpu_sumsq(grads, workspace)))
     target = grads[0].device
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
@@ -152,10 +182,33 @@ def _sumsq(t: Tensor) -> float:
 
     NaN/Inf elements (or a sum that overflows) give a non-finite result.
     """
-    if t.device.type == "cpu" and t.dtype in _DOT_DTYPES:
-        flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+    if t.is_cpu and t.dtype in _DOT_DTYPES:
+        flat = t if t.dim() == 1 else t.view(-1) if t.is_contiguous() else t.reshape(-1)
         return torch.dot(flat, flat).item()
     return float(torch.linalg.vector_norm(t, dtype=torch.float32) ** 2)
+
+
+def _cpu_sumsq(tensors: Sequence[Tensor], workspace: Workspace | None) -> float:
+    """``Σ‖t‖²`` over CPU tensors: one BLAS ``dot`` per large tensor; small float32/float64 tensors of one shape
+    are stacked into scratch slot 2 first, because for them the call, not the data, is the cost."""
+    parts: list[float] = []
+    small: dict[tuple[torch.Size, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        if workspace is not None and t.numel() < CPU_SMALL_ELEMENTS and t.dtype in _DOT_DTYPES:
+            small.setdefault((t.shape, t.dtype), []).append(t)
+        else:
+            parts.append(_sumsq(t))
+    for (shape, _), same in small.items():
+        per = max(1, CPU_CHUNK_ELEMENTS // max(1, same[0].numel()))
+        for lo in range(0, len(same), per):
+            batch = same[lo : lo + per]
+            if len(batch) == 1:
+                parts.append(_sumsq(batch[0]))
+                continue
+            _, _, span = workspace.span(batch, slot=2)  # type: ignore[union-attr]
+            torch.stack(batch, out=span.view(len(batch), *shape))
+            parts.append(torch.dot(span, span).item())
+    return math.fsum(parts)
 
 
 def _bias_factors(step: float, beta1: float, beta2: float, eps: float, bias_correction: bool) -> tuple[float, float]:
@@ -242,14 +295,15 @@ _FUSED_MOMENTS_SUPPORT: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
 def fused_moments_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's fused Adam kernel can compute LAMB's Adam direction for tensors of this device and dtype.
+    """Whether torch's fused Adam kernels can compute LAMB's Adam direction (and, for groups excluded from layer
+    adaptation, the whole AdamW-like update) for tensors of this device and dtype.
 
     Used on CPU only (where LAMB keeps its step counters); probed once per (device, dtype) on a tiny tensor, so an
     older torch or an unsupported dtype falls back to plain ``_foreach`` ops instead of failing mid-step.
     """
     key = (device, dtype)
     if key not in _FUSED_MOMENTS_SUPPORT:
-        ok = device.type == "cpu" and hasattr(torch, "_fused_adam_")
+        ok = device.type == "cpu" and hasattr(torch, "_fused_adam_") and hasattr(torch, "_fused_adamw_")
         if ok:
             try:
                 u = [torch.zeros(4, device=device, dtype=dtype)]
@@ -258,6 +312,13 @@ def fused_moments_supported(device: torch.device, dtype: torch.dtype) -> bool:
                 v = [torch.zeros(4, device=device, dtype=dtype)]
                 _fused_adam_direction(u, g, m, v, [torch.ones(())], beta1=0.9, beta2=0.999, eps=1e-6, lr=-1.0)
                 ok = bool(torch.allclose(u[0].float(), torch.ones(4), rtol=1e-2))
+                x = [torch.ones(4, device=device, dtype=dtype)]
+                m = [torch.zeros(4, device=device, dtype=dtype)]
+                v = [torch.zeros(4, device=device, dtype=dtype)]
+                _fused_adamw_update(x, g, m, v, [torch.ones(())], lr=0.25, beta1=0.9, beta2=0.999, eps=1e-6,
+                                    weight_decay=1.0)  # fmt: skip
+                # x(1 − ηλ) − η·m̂/(√v̂+ε) with x = 1 and m̂/(√v̂+ε) = 1 at the first step: 0.75 − 0.25
+                ok = ok and bool(torch.allclose(x[0].float(), torch.full((4,), 0.5), rtol=1e-2))
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _FUSED_MOMENTS_SUPPORT[key] = ok
@@ -300,6 +361,268 @@ def _fused_adam_direction(
     )
 
 
+def _fused_adamw_update(
+    x: list[Tensor],
+    g: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """``x ← x(1 − ηλ) − η·m̂/(√v̂+ε)`` in one pass: LAMB's update when the trust ratio is 1 (torch's fused AdamW)."""
+    torch._fused_adamw_(
+        x,
+        g,
+        m,
+        v,
+        [],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+    )
+
+
+def _same_dense_layout(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
+    """Whether torch's fused kernels may pair these tensors' elements by memory offset (they do, ignoring strides)."""
+    return (
+        p.is_contiguous()
+        and g.is_contiguous()
+        and m.is_contiguous()
+        and v.is_contiguous()
+        and g.dtype == p.dtype
+        and m.dtype == p.dtype
+        and v.dtype == p.dtype
+    )
+
+
+def _cpu_fused_lamb(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    max_trust_ratio: float,
+    min_trust_ratio: float,
+    exclude_from_layer_adaptation: bool,
+    grad_scale: float,
+    workspace: Workspace,
+) -> list[float | Tensor]:
+    """The CPU multi-tensor kernel: every tensor's passes run while it is in cache, with few calls per tensor.
+
+    * A tensor of at least :data:`CPU_SMALL_ELEMENTS` runs alone, in pieces of at most :data:`CPU_CHUNK_ELEMENTS`:
+      per piece, copy ``x`` into the scratch buffer, take ``‖x‖²`` from it, let torch's fused Adam kernel update
+      ``m``, ``v`` and turn the copy into ``u/λ`` (one pass), take ``‖u‖²``; then update ``x`` from the scratch
+      buffer, last piece first (the one still in cache).
+    * Smaller tensors (biases, norms) are below ATen's parallel grain, so their cost is calls, not bandwidth: those
+      of one size run as a block whose scratch rows form one matrix, so each pass (copy, moments, both norms,
+      scaling, update) is one call for the whole block.
+    * With ``exclude_from_layer_adaptation`` (ratio 1) the update is AdamW's, so torch's fused AdamW kernel applies
+      it straight to the parameters, with no scratch pass at all.
+    * The fused kernels pair elements by memory offset: a parameter whose tensors do not all share one contiguous
+      layout and dtype (e.g. channels-last weights) takes the per-tensor loop instead, whose ops honour strides.
+    """
+    n = len(params)
+    ratios: list[float | Tensor] = [1.0] * n
+    fast = [i for i in range(n) if _same_dense_layout(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])]
+    hyper = dict(beta1=beta1, beta2=beta2, eps=eps)
+    if len(fast) < n:
+        other = sorted(set(range(n)).difference(fast))
+        loop_ratios = _single_tensor_lamb(
+            [params[i] for i in other],
+            [grads[i] for i in other],
+            [exp_avgs[i] for i in other],
+            [exp_avg_sqs[i] for i in other],
+            [steps[i] for i in other],
+            lr=lr,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            max_trust_ratio=max_trust_ratio,
+            min_trust_ratio=min_trust_ratio,
+            exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+            grad_scale=grad_scale,
+            workspace=workspace,
+            **hyper,
+        )
+        for i, r in zip(other, loop_ratios, strict=True):
+            ratios[i] = r
+        if not fast:
+            return ratios
+        part = _cpu_fused_lamb(
+            [params[i] for i in fast],
+            [grads[i] for i in fast],
+            [exp_avgs[i] for i in fast],
+            [exp_avg_sqs[i] for i in fast],
+            [steps[i] for i in fast],
+            lr=lr,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            max_trust_ratio=max_trust_ratio,
+            min_trust_ratio=min_trust_ratio,
+            exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+            grad_scale=grad_scale,
+            workspace=workspace,
+            **hyper,
+        )
+        for i, r in zip(fast, part, strict=True):
+            ratios[i] = r
+        return ratios
+
+    device = params[0].device
+    steps = list(steps)
+    # The list overload: the scalar one wraps the 1 into a fresh tensor once per counter.
+    torch._foreach_add_(steps, [workspace.constant(1.0, device)] * n)
+    # The fused kernels always bias-correct; an infinite step makes 1 - beta**step exactly 1.
+    kernel_steps = steps if bias_correction else [workspace.constant(math.inf, device)] * n
+
+    if exclude_from_layer_adaptation:
+        for lo, hi in _chunks(params, CPU_CHUNK_ELEMENTS) if grad_scale != 1.0 else [(0, n)]:
+            g = _scaled_grads(params[lo:hi], grads[lo:hi], grad_scale, workspace)
+            _fused_adamw_update(list(params[lo:hi]), g, list(exp_avgs[lo:hi]), list(exp_avg_sqs[lo:hi]),
+                                kernel_steps[lo:hi], lr=lr, weight_decay=weight_decay, **hyper)  # fmt: skip
+        return ratios
+
+    fold = weight_decay >= _FOLD_MIN_DECAY
+    scale = weight_decay if fold else 1.0  # the scratch buffer holds u / scale
+    kernel_lr = -1.0 / weight_decay if fold else -1.0
+    vectorised = params[0].dtype in _DOT_DTYPES
+    by_size: dict[int, list[int]] = {}
+    for i, x in enumerate(params):
+        numel = x.numel()
+        if numel < CPU_SMALL_ELEMENTS:
+            by_size.setdefault(numel, []).append(i)
+        else:
+            _big_tensor_step(
+                i, params, grads, exp_avgs, exp_avg_sqs, kernel_steps, ratios, lr=lr, weight_decay=weight_decay,
+                fold=fold, scale=scale, kernel_lr=kernel_lr, grad_scale=grad_scale, min_trust_ratio=min_trust_ratio,
+                max_trust_ratio=max_trust_ratio, workspace=workspace, **hyper,
+            )  # fmt: skip
+    for numel, same in by_size.items():
+        per = max(1, CPU_CHUNK_ELEMENTS // max(1, numel))
+        for lo in range(0, len(same), per):
+            block = same[lo : lo + per]
+            count = len(block)
+            p = [params[i] for i in block]
+            u, _, span = workspace.span(p)
+            rows = span.view(count, numel)
+            g = _scaled_grads(p, [grads[i] for i in block], grad_scale, workspace)
+            if fold:
+                torch._foreach_copy_(u, p)
+                param_norms = _row_norms(rows)  # the rows hold x here
+            else:
+                span.zero_()
+                param_norms = [math.sqrt(_sumsq(x)) for x in p]
+            _fused_adam_direction(u, g, [exp_avgs[i] for i in block], [exp_avg_sqs[i] for i in block],
+                                  [kernel_steps[i] for i in block], lr=kernel_lr, **hyper)  # fmt: skip
+            if not fold and weight_decay != 0.0:
+                torch._foreach_add_(u, p, alpha=weight_decay)
+            update_norms = _row_norms(rows)
+            coefs = []
+            for k, i in enumerate(block):
+                r = trust_ratio(param_norms[k], scale * update_norms[k], min_trust_ratio, max_trust_ratio)
+                ratios[i] = r
+                coefs.append(-lr * r * scale)
+            if vectorised:
+                rows.mul_(torch.tensor(coefs, dtype=rows.dtype).unsqueeze(1))
+                torch._foreach_add_(p, u)
+            else:
+                for x, ui, c in zip(p, u, coefs, strict=True):
+                    x.add_(ui, alpha=c)
+    return ratios
+
+
+def _row_norms(rows: Tensor) -> list[float]:
+    """The L2 norm of each row, in one call (float32 accumulation or wider, as ``_sumsq`` for narrow dtypes)."""
+    dtype = None if rows.dtype in _DOT_DTYPES else torch.float32
+    norms: list[float] = torch.linalg.vector_norm(rows, dim=1, dtype=dtype).tolist()
+    return norms
+
+
+def _big_tensor_step(
+    i: int,
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    kernel_steps: Sequence[Tensor],
+    ratios: list[float | Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    fold: bool,
+    scale: float,
+    kernel_lr: float,
+    grad_scale: float,
+    min_trust_ratio: float,
+    max_trust_ratio: float,
+    workspace: Workspace,
+) -> None:
+    """One large tensor of :func:`_cpu_fused_lamb`, piece by piece (see there)."""
+    x = params[i]
+    numel = x.numel()
+    (u,), (u_flat,), _ = workspace.span((x,))
+    pieces = -(-numel // CPU_CHUNK_ELEMENTS)
+    if pieces == 1:
+        parts = [(x, grads[i], exp_avgs[i], exp_avg_sqs[i], u, u_flat)]
+    else:
+        edges = [numel * j // pieces for j in range(pieces + 1)]
+        xf, gf, mf, vf = (t.view(-1) for t in (x, grads[i], exp_avgs[i], exp_avg_sqs[i]))
+        parts = [(xf[a:b], gf[a:b], mf[a:b], vf[a:b], u_flat[a:b], u_flat[a:b]) for a, b in itertools.pairwise(edges)]
+    param_sq = update_sq = 0.0
+    step = [kernel_steps[i]]
+    for xp, gp, mp, vp, up, up_flat in parts:
+        (gs,) = _scaled_grads((gp,), (gp,), grad_scale, workspace)
+        if fold:
+            up.copy_(xp)
+            param_sq += _sumsq(up_flat)  # up holds x here
+        else:
+            up.zero_()
+            param_sq += _sumsq(xp)
+        _fused_adam_direction([up], [gs], [mp], [vp], step, lr=kernel_lr, beta1=beta1, beta2=beta2, eps=eps)
+        if not fold and weight_decay != 0.0:
+            up.add_(xp, alpha=weight_decay)
+        update_sq += _sumsq(up_flat)
+    r = trust_ratio(math.sqrt(param_sq), scale * math.sqrt(update_sq), min_trust_ratio, max_trust_ratio)
+    ratios[i] = r
+    alpha = -lr * r * scale
+    for xp, _, _, _, up, _ in reversed(parts):
+        xp.add_(up, alpha=alpha)
+
+
+def _scaled_grads(
+    like: Sequence[Tensor], grads: Sequence[Tensor], grad_scale: float, workspace: Workspace
+) -> list[Tensor]:
+    """``grads`` times ``grad_scale`` in scratch slot 1 (the fused kernels' own scaling would divide ``.grad`` in
+    place); ``grads`` themselves when the scale is 1."""
+    if grad_scale == 1.0:
+        return list(grads)
+    scaled, _, span = workspace.span(like, slot=1)
+    torch._foreach_copy_(scaled, list(grads))
+    span.mul_(grad_scale)
+    return scaled
+
+
 def _multi_tensor_lamb(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -319,29 +642,38 @@ def _multi_tensor_lamb(
     grad_scale: float,
     workspace: Workspace,
 ) -> list[float | Tensor]:
-    """Multi-tensor kernel, in chunks so that each chunk's passes hit cache; one device and dtype.
+    """Multi-tensor kernel for one device and dtype.
 
-    On CPU, when :func:`fused_moments_supported`, the moment updates and the Adam direction run in one pass
-    through torch's fused Adam kernel (written into a scratch buffer, never into the parameters), the norms come
-    from BLAS ``dot`` and the trust ratios are computed on the host (free there). Elsewhere it uses
-    ``torch._foreach_*`` ops and keeps the ratios on the device (no host sync). Returns the ratios as floats
-    (CPU) or as 0-dim device tensors.
+    On CPU, when :func:`fused_moments_supported`, :func:`_cpu_fused_lamb` runs (torch's fused Adam kernels, per
+    tensor while it is in cache, ratios computed on the host). Elsewhere it uses ``torch._foreach_*`` ops, in
+    chunks, and keeps the ratios on the device (no host sync). Returns the ratios as floats (CPU) or as 0-dim
+    device tensors.
     """
     if not params:
         return []
+    hyper = dict(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+        max_trust_ratio=max_trust_ratio,
+        min_trust_ratio=min_trust_ratio,
+        exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+        grad_scale=grad_scale,
+        workspace=workspace,
+    )
+    on_cpu = params[0].device.type == "cpu"
+    if on_cpu and fused_moments_supported(params[0].device, params[0].dtype):
+        return _cpu_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
     adapt = not exclude_from_layer_adaptation
     fold = weight_decay >= _FOLD_MIN_DECAY
-    on_cpu = params[0].device.type == "cpu"
-    fused = on_cpu and fused_moments_supported(params[0].device, params[0].dtype)
     limit = CPU_CHUNK_ELEMENTS if on_cpu else DEVICE_CHUNK_ELEMENTS
 
     steps = list(steps)
     torch._foreach_add_(steps, 1.0)
-    if fused:
-        # The fused kernel always bias-corrects; an infinite step makes 1 - beta**step exactly 1.
-        kernel_steps = steps if bias_correction else [torch.full((), math.inf)] * len(steps)
-    else:
-        factors = [_bias_factors(s.item(), beta1, beta2, eps, bias_correction) for s in steps]
+    factors = [_bias_factors(s.item(), beta1, beta2, eps, bias_correction) for s in steps]
 
     ratios_out: list[float | Tensor] = []
     for lo, hi in _chunks(params, limit):
@@ -349,47 +681,29 @@ def _multi_tensor_lamb(
         n = len(p)
         u = workspace.views(p, slot=0)
         scales: list[float]
-        if fused:
-            if grad_scale != 1.0:
-                g_scaled = workspace.views(p, slot=1)
-                torch._foreach_copy_(g_scaled, g)
-                torch._foreach_mul_(g_scaled, grad_scale)
-                g = g_scaled
-            if fold:  # u = (m̂/(√v̂+ε) + λx) / λ
-                torch._foreach_copy_(u, p)
-                _fused_adam_direction(u, g, m, v, kernel_steps[lo:hi], beta1=beta1, beta2=beta2, eps=eps,
-                                      lr=-1.0 / weight_decay)  # fmt: skip
-                scales = [weight_decay] * n
-            else:  # u = m̂/(√v̂+ε) + λx
-                torch._foreach_zero_(u)
-                _fused_adam_direction(u, g, m, v, kernel_steps[lo:hi], beta1=beta1, beta2=beta2, eps=eps, lr=-1.0)
-                if weight_decay != 0.0:
-                    torch._foreach_add_(u, p, alpha=weight_decay)
-                scales = [1.0] * n
+        cs = [f[0] for f in factors[lo:hi]]
+        if grad_scale == 1.0:
+            torch._foreach_lerp_(m, g, 1.0 - beta1)
         else:
-            cs = [f[0] for f in factors[lo:hi]]
-            if grad_scale == 1.0:
-                torch._foreach_lerp_(m, g, 1.0 - beta1)
-            else:
-                torch._foreach_mul_(m, beta1)
-                torch._foreach_add_(m, g, alpha=(1.0 - beta1) * grad_scale)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
-            d = workspace.views(p, slot=1)
-            torch._foreach_copy_(d, v)
-            torch._foreach_sqrt_(d)
-            torch._foreach_add_(d, [f[1] for f in factors[lo:hi]])
-            if fold:  # u = (m̂/(√v̂+ε) + λx) / λ
-                torch._foreach_copy_(u, p)
-                torch._foreach_addcdiv_(u, m, d, [ci / weight_decay for ci in cs])
-                scales = [weight_decay] * n
-            else:  # u = (m̂/(√v̂+ε) + λx) / c
-                torch._foreach_copy_(u, m)
-                torch._foreach_div_(u, d)
-                if weight_decay != 0.0:
-                    for ui, pi, ci in zip(u, p, cs, strict=True):
-                        ui.add_(pi, alpha=weight_decay / ci)
-                scales = cs
+            torch._foreach_mul_(m, beta1)
+            torch._foreach_add_(m, g, alpha=(1.0 - beta1) * grad_scale)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
+        d = workspace.views(p, slot=1)
+        torch._foreach_copy_(d, v)
+        torch._foreach_sqrt_(d)
+        torch._foreach_add_(d, [f[1] for f in factors[lo:hi]])
+        if fold:  # u = (m̂/(√v̂+ε) + λx) / λ
+            torch._foreach_copy_(u, p)
+            torch._foreach_addcdiv_(u, m, d, [ci / weight_decay for ci in cs])
+            scales = [weight_decay] * n
+        else:  # u = (m̂/(√v̂+ε) + λx) / c
+            torch._foreach_copy_(u, m)
+            torch._foreach_div_(u, d)
+            if weight_decay != 0.0:
+                for ui, pi, ci in zip(u, p, cs, strict=True):
+                    ui.add_(pi, alpha=weight_decay / ci)
+            scales = cs
         if not adapt:
             if on_cpu:
                 for pi, ui, si in zip(p, u, scales, strict=True):
@@ -470,10 +784,13 @@ def lamb(
     if not resolve_foreach(foreach, params):
         return _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
     # foreach lists must share device and dtype: run the kernel per (device, dtype) group, keep the caller's order.
+    dtype = params[0].dtype if params else None
+    if params and params[0].is_cpu and all(p.dtype == dtype and p.is_cpu for p in params):  # the common case, cheaply
+        return _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
-    if len(groups) == 1:
+    if len(groups) <= 1:
         return _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
     out: list[float | Tensor] = [1.0] * n
     for idx in groups.values():

@@ -202,23 +202,25 @@ class LAMB(torch.optim.Optimizer):
         self, group: dict[str, Any]
     ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        state_of = self.state
         for p in group["params"]:
-            if p.grad is None:
+            g = p.grad
+            if g is None:
                 continue
-            if p.grad.is_sparse:
+            if g.is_sparse:
                 raise RuntimeError(
                     "LAMB does not support sparse gradients (got one for a parameter of shape "
                     f"{tuple(p.shape)}); use dense gradients, e.g. nn.Embedding(sparse=False)"
                 )
-            if torch.is_complex(p):
+            if p.is_complex():
                 raise RuntimeError(f"LAMB does not support complex parameters (got {p.dtype})")
-            state = self.state[p]
+            state = state_of[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
-            grads.append(p.grad)
+            grads.append(g)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
@@ -244,7 +246,7 @@ class LAMB(torch.optim.Optimizer):
         all_grads = [g for lists in gathered for g in lists[1]]
         if not all_grads:
             return loss
-        total_norm = float(global_grad_norm(all_grads))
+        total_norm = float(global_grad_norm(all_grads, self._workspace))
         if not math.isfinite(total_norm):
             self.skipped_steps += 1
             return loss

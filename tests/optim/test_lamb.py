@@ -16,15 +16,20 @@ from ivyplug.optim import functional as F
 from tests.optim.reference import RefGroup, RefLamb
 
 STEPS = 32
-KERNELS = ["loop", "fused", "plain"]
+KERNELS = ["loop", "fused", "fused_pieces", "plain"]
 
 
 @pytest.fixture
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """``loop``: the per-tensor reference; ``fused``: multi-tensor with torch's fused Adam moments (CPU default);
-    ``plain``: multi-tensor from ``_foreach`` ops only (what accelerators run). Returns the ``foreach`` flag."""
+    ``fused_pieces``: the same with its size thresholds shrunk, so that these small tensors take the large-tensor
+    path, split into pieces, next to size blocks of several tensors; ``plain``: multi-tensor from ``_foreach`` ops
+    only (what accelerators run). Returns the ``foreach`` flag."""
     if request.param == "plain":
         monkeypatch.setattr(F, "fused_moments_supported", lambda device, dtype: False)
+    if request.param == "fused_pieces":
+        monkeypatch.setattr(F, "CPU_SMALL_ELEMENTS", 16)
+        monkeypatch.setattr(F, "CPU_CHUNK_ELEMENTS", 64)
     return request.param != "loop"
 
 
@@ -141,7 +146,7 @@ def _random_model(seed: int) -> nn.Module:
     )
 
 
-@pytest.mark.parametrize("kernel", ["fused", "plain"], indirect=True)
+@pytest.mark.parametrize("kernel", ["fused", "fused_pieces", "plain"], indirect=True)
 @pytest.mark.parametrize("seed", [3, 4])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.7])
 def test_foreach_matches_loop(kernel: bool, seed: int, max_grad_norm: float | None) -> None:
@@ -162,6 +167,69 @@ def test_foreach_matches_loop(kernel: bool, seed: int, max_grad_norm: float | No
         err = (a - b).abs().max().item()
         assert err <= 1e-6 * max(a.abs().max().item(), 1e-6), f"{name}: max abs diff {err}"
     assert opt_a.param_groups[0]["foreach"] is False and opt_b.param_groups[0]["foreach"] is True
+
+
+def _layout_zoo(gen: torch.Generator) -> list[nn.Parameter]:
+    """Parameters in every layout the CPU kernel must handle."""
+    return [
+        nn.Parameter(torch.randn(6, 4, 3, 3, generator=gen).to(memory_format=torch.channels_last)),  # grads alike
+        nn.Parameter(torch.randn(6, 4, 3, 3, generator=gen).to(memory_format=torch.channels_last)),  # grads not
+        nn.Parameter(torch.randn(20, 12, generator=gen)),  # non-contiguous (transposed) gradients
+        nn.Parameter(torch.randn(30, 30, generator=gen)),
+        nn.Parameter(torch.randn(12, generator=gen)),  # three of one size: one block
+        nn.Parameter(torch.randn(12, generator=gen)),
+        nn.Parameter(torch.zeros(12)),
+        nn.Parameter(torch.randn(5, generator=gen)),
+        nn.Parameter(torch.zeros(0, 5)),
+    ]
+
+
+def _zoo_grads(gen: torch.Generator) -> list[torch.Tensor]:
+    conv = [torch.randn(6, 4, 3, 3, generator=gen) for _ in range(2)]
+    return [
+        conv[0].to(memory_format=torch.channels_last),
+        conv[1],
+        torch.randn(12, 20, generator=gen).t(),
+        torch.randn(30, 30, generator=gen),
+        *(torch.randn(12, generator=gen) for _ in range(3)),
+        torch.randn(5, generator=gen),
+        torch.zeros(0, 5),
+    ]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "fused_pieces"], indirect=True)
+@pytest.mark.parametrize("weight_decay", [0.05, 0.0, 1e-13])
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+@pytest.mark.parametrize("exclude", [False, True])
+def test_cpu_kernel_layouts_and_branches_match_loop(
+    kernel: bool, weight_decay: float, max_grad_norm: float | None, exclude: bool
+) -> None:
+    """Channels-last weights (with and without matching gradients), transposed gradients, bias-sized and empty
+    tensors, every weight-decay branch, clipping and the ratio-1 (AdamW-like) path: the CPU multi-tensor kernel
+    takes the loop's steps to 1e-6 relative. (torch's fused kernels pair elements by memory offset, so layouts
+    that do not match must not reach them.)"""
+    gen = torch.Generator().manual_seed(41)
+    params_a = _layout_zoo(gen)
+    params_b = [nn.Parameter(p.detach().clone(memory_format=torch.preserve_format)) for p in params_a]
+    group = {"weight_decay": weight_decay, "exclude_from_layer_adaptation": exclude}
+    opt_a = LAMB([{"params": params_a, **group}], lr=0.01, foreach=False, max_grad_norm=max_grad_norm)
+    opt_b = LAMB([{"params": params_b, **group}], lr=0.01, foreach=kernel, max_grad_norm=max_grad_norm)
+    for _ in range(10):
+        grads = _zoo_grads(gen)
+        for pa, pb, g in zip(params_a, params_b, grads, strict=True):
+            pa.grad = g.clone(memory_format=torch.preserve_format)
+            pb.grad = g.clone(memory_format=torch.preserve_format)
+        opt_a.step()
+        opt_b.step()
+        for pb, g in zip(params_b, grads, strict=True):
+            assert torch.equal(pb.grad, g), "the optimizer must not modify .grad"
+    for i, (a, b) in enumerate(zip(params_a, params_b, strict=True)):
+        err = (a - b).abs().max().item() if a.numel() else 0.0
+        assert err <= 1e-6 * max(a.abs().max().item() if a.numel() else 0.0, 1e-6), f"param {i}: max abs diff {err}"
+    ratios_a, ratios_b = opt_a.trust_ratios(), opt_b.trust_ratios()
+    for a, b in zip(params_a, params_b, strict=True):
+        assert ratios_b[b] == pytest.approx(ratios_a[a], rel=1e-5)
+    assert params_b[0].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_functional_entry_point_matches_optimizer() -> None:

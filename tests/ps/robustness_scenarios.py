@@ -93,6 +93,7 @@ def nonfinite_async_sum(rank: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     client = _start(model, opt, mode="async", staleness_scaling="none", max_shard_bytes=None)
     x0 = [p.detach().clone() for p in model.parameters()]
+    dist.barrier()  # every rank read the initial copy before any pushes
     pushed = [torch.zeros_like(p) for p in model.parameters()]
     g = torch.Generator().manual_seed(rank)
     for step in range(5):
@@ -173,9 +174,12 @@ def integer_buffers(rank: int, mode: str) -> dict[str, Any]:
     model = _Counters()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     client = _start(model, opt, mode=mode)
-    for _ in range(3):
-        model.big += 1 + rank  # rank 1 counts faster: the max is rank 1's value
-        model.small += 1
+    base = model.big.clone()
+    dist.barrier()  # every rank read the initial count before any pushes
+    for step in range(3):
+        # absolute counts (a pull hands back the servers' max): rank 1 counts faster, its last is the max
+        model.big.copy_(base + (step + 1) * (1 + rank))
+        model.small.fill_(3 + step + 1)
         model.lin.weight.grad = torch.ones(2, 2)
         model.lin.bias.grad = torch.ones(2)
         client.step(1)
@@ -207,6 +211,7 @@ def resume_in_another_mode(rank: int) -> dict[str, Any]:
         client = _start(fresh, fresh_opt, mode=mode, **extra)
         client.load_state_dict(saved)
         out[f"{mode}_loaded"] = [p.detach().clone() for p in fresh.parameters()]
+        dist.barrier()  # every rank pulled the loaded state before any pushes
         for step in range(3):  # async -> sync failed here: "worker 0 pushed twice in step 4"
             x, y = _slice(step, rank)
             fresh.zero_grad()

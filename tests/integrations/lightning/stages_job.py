@@ -2,14 +2,16 @@
 
 For each (mode, num_servers): ``validate`` before ``fit``, ``fit``, then ``validate``, ``test``,
 ``predict`` and a second ``fit`` with a larger ``max_epochs`` on the same Trainer, with Lightning's own
-``BoringModel``. Each rank prints one ``STAGES {json}`` line per configuration: the stages that ran, the
-global step after each fit and a checksum of its parameters (equal on both ranks: the global model).
+``BoringModel``. Each rank writes one JSON file per configuration into the folder named first on the command
+line (printed lines of two ranks may interleave): the stages that ran, the global step after each fit and a
+checksum of its parameters (equal on both ranks: the global model).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from ivyplug.integrations.lightning import IvyPSStrategy
@@ -64,9 +66,11 @@ def run(name: str, num_servers: int) -> dict[str, object]:
 
 
 def main() -> None:
-    for item in sys.argv[1:]:
+    out = Path(sys.argv[1])
+    for item in sys.argv[2:]:
         name, servers = item.split("/")
-        print("STAGES " + json.dumps(run(name, int(servers))), flush=True)
+        result = run(name, int(servers))
+        (out / f"{name}-{servers}-rank{result['rank']}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

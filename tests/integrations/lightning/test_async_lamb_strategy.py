@@ -15,6 +15,9 @@ from .helpers import quiet_trainer, reaped_children
 
 pytestmark = [pytest.mark.timeout(280)]
 
+#: async merges depend on timing; on a loaded 2-core machine 5 epochs ended at 0.92-0.93 now and then
+EPOCHS = 8
+
 
 class AsyncLambMLP(DigitsMLP):
     def configure_optimizers(self) -> Any:
@@ -31,7 +34,7 @@ def test_async_lamb_two_workers_converge_to_one_global_model(mode: str) -> None:
         trainer = quiet_trainer(
             IvyPSStrategy(mode=mode, start_method="spawn", timeout=60, process_group_timeout=timedelta(seconds=60)),
             devices=2,
-            max_epochs=5,
+            max_epochs=EPOCHS,
         )
         trainer.fit(model)
     metrics = trainer.callback_metrics
@@ -40,7 +43,7 @@ def test_async_lamb_two_workers_converge_to_one_global_model(mode: str) -> None:
     # plus the flush before each validation: far fewer pushes than batches, but some from every worker
     pushes = [float(metrics[f"ivy/rank{r}/pushes"]) for r in (0, 1)]
     assert all(p >= 4 for p in pushes), pushes
-    assert sum(pushes) <= 5 * (45 / 4 + 2), pushes
+    assert sum(pushes) <= EPOCHS * (45 / 4 + 2), pushes
     # what the main process got back is the servers' copy: validating it again gives the logged accuracy
     # (up to the one duplicated sample of DistributedSampler's padding: 357 samples as 2 x 179)
     with reaped_children():

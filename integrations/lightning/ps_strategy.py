@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
+from ivyplug.ps.local_updates import LocalUpdates
 from ivyplug.settings import project_defaults
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class IvyPSStrategy(DDPStrategy):
         )
         self._client: Any = None
         self._samples_since_step = 0
-        self._local_steps = False  # the optimizer steps locally and exchanges deltas (AsyncLAMB)
+        self._local_updates: LocalUpdates | None = None  # an optimizer that steps locally (AsyncLAMB)
         self._clip_norm: float | None = None
         self._in_train_batch = False
         self._metrics_logger: PSMetricsLogger | None = None
@@ -261,16 +262,16 @@ class IvyPSStrategy(DDPStrategy):
             raise ValueError(
                 "IvyPSStrategy does not support loss scaling (precision='16-mixed'); use 'bf16-mixed' or 32"
             )
-        from ivyplug.optim import AsyncLAMB
         from ivyplug.ps import PSClient
 
         optimizer = self.optimizers[0]
-        # AsyncLAMB steps locally and pushes deltas every sync_every steps; the servers run its outer SGD
-        self._local_steps = isinstance(optimizer, AsyncLAMB)
+        # local updates (AsyncLAMB): the worker steps and pushes deltas itself; the servers run its outer optimizer
+        local = optimizer if isinstance(optimizer, LocalUpdates) else None
+        self._local_updates = local
         served = (
-            optimizer.outer_optimizer(self.mode, self.world_size, self.ps_config.staleness_scaling)
-            if isinstance(optimizer, AsyncLAMB)
-            else optimizer
+            optimizer
+            if local is None
+            else local.outer_optimizer(self.mode, self.world_size, self.ps_config.staleness_scaling)
         )
         self._client = PSClient.start(
             self.ps_config,
@@ -281,10 +282,10 @@ class IvyPSStrategy(DDPStrategy):
             world_size=self.world_size,
         )
         self._client.pull_initial()
-        if isinstance(optimizer, AsyncLAMB):
-            optimizer.attach(self._client)
+        if local is not None:
+            local.attach(self._client)
         self._samples_since_step = 0
-        if not self._local_steps:  # AsyncLAMB's local steps clip locally, as Lightning does
+        if local is None:  # local steps clip locally, as Lightning does
             self._install_clip_recorder()
         # the gathered per-rank PS metrics are identical on every rank: no sync_dist needed
         warnings.filterwarnings("ignore", message=r".*self\.log\('ivy/rank\d+/.*sync_dist=True")
@@ -400,7 +401,7 @@ class IvyPSStrategy(DDPStrategy):
         """Closure (forward, backward, before-step hooks), then push gradients and pull parameters."""
         if self._client is None:
             raise RuntimeError("IvyPSStrategy.optimizer_step called outside fit (no PS client)")
-        if self._local_steps:  # AsyncLAMB: a local step; the optimizer exchanges with the PS itself
+        if self._local_updates is not None:  # a local step; the optimizer exchanges with the PS itself
             self._samples_since_step = 0
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model if model is not None else self.lightning_module
@@ -417,13 +418,9 @@ class IvyPSStrategy(DDPStrategy):
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     # ------------------------------------------------------------------ global model at meeting points
-    def _async_lamb(self) -> Any:
-        """The AsyncLAMB being trained with (it flushes and re-snapshots at meeting points), else None."""
-        return self.optimizers[0] if self._local_steps and self.optimizers else None
-
     def _sync(self) -> None:
         if self._client is not None:
-            optimizer = self._async_lamb()
+            optimizer = self._local_updates
             if optimizer is not None:
                 optimizer.flush()  # local progress since the last exchange goes to the servers first
             self._client.sync()
@@ -488,6 +485,5 @@ class IvyPSStrategy(DDPStrategy):
             raise RuntimeError("IvyPSStrategy.load_optimizer_state_dict called before the PS client started")
         self.optimizers[0].load_state_dict(state["worker_optimizer"])
         self._client.load_state_dict(state[CHECKPOINT_KEY])  # collective; ends with every rank pulling
-        optimizer = self._async_lamb()
-        if optimizer is not None:
-            optimizer.reset_snapshot()
+        if self._local_updates is not None:
+            self._local_updates.reset_snapshot()

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.loop import ServerLoop
+from ivyplug.ps.endpoints import WireEndpoint
 from ivyplug.ps.messages import Header, Kind
 from ivyplug.ps.mirror import OptimizerSpec
-from ivyplug.ps.server import ShardServer
+from ivyplug.ps.server_loop import ServerLoop
+from ivyplug.ps.shard import Shard
 from ivyplug.ps.sharding import TensorSpec, build_plan
 from ivyplug.ps.transport import Channel, PSProtocolError
 
@@ -75,19 +76,16 @@ def serve(
     plan = build_plan(specs, k, cfg.max_shard_bytes)
     values = torch.frombuffer(bytearray(init), dtype=torch.float32) if init else torch.zeros(0)
     others = [s for s in range(k) if s != shard]
-    nonempty = set(plan.nonempty_shards())
-
-    def send_norm(step: int, sq: float) -> None:
-        for s in others:
-            if s in nonempty:
-                h = Header(kind=Kind.NORM, sender=me, shard=s, arg0=step, arg1=shard)
-                channel.send(num_workers + s, h, None, torch.tensor([sq], dtype=torch.float64), wait=False)
 
     def workers_done() -> None:
         for s in others:
             channel.send(num_workers + s, Header(kind=Kind.BYE, sender=me), wait=False)
 
-    server = ShardServer(shard, plan, cfg, num_workers, spec, values, send_norm=send_norm)
+    server = Shard(shard, plan, cfg, num_workers, spec, values)
+    # the sync-mode norm exchange goes straight to the other servers' shards
+    server.connect_peers(
+        {s: WireEndpoint(channel, num_workers + s, s, plan.shard_numel(s)) for s in plan.nonempty_shards()}
+    )
     loop = ServerLoop(
         channel,
         server,

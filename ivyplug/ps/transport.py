@@ -195,13 +195,14 @@ class Channel:
             works.append(self._irecv(data, src, TAG_REPLY_DATA, "a reply"))
         return h, works
 
-    def wait_reply(self, h: torch.Tensor, works: list[Any], what: str) -> Header:
+    def wait_reply(self, h: torch.Tensor, works: list[Any], what: str, timeout: float | None = None) -> Header:
         """Wait for the reply header, then its payload; an error reply without payload returns at once
         (its status tells the caller to fail) instead of waiting ``timeout`` for data that never comes."""
-        wait_work(works[0], self.timeout, what)
+        limit = self.timeout if timeout is None else timeout
+        wait_work(works[0], limit, what)
         header = Header.decode(h)
         if header.status != Status.OK and header.numel == 0:
             return header
         for w in works[1:]:
-            wait_work(w, self.timeout, what)
+            wait_work(w, limit, what)
         return header

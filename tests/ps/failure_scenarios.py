@@ -60,19 +60,13 @@ def dedicated_job() -> None:
     First a push the server refuses (3 gradient values for a shard of more): its error reply must come at
     once, not after ``timeout``. Then print the server's pid and wait to be killed.
     """
-    from ivyplug.ps.messages import Kind
-
     model, opt = _model()
     client = PSClient.start(PSConfig(mode="sync", num_servers=1, timeout=60.0), list(model.named_parameters()), [], opt)
     client.pull_initial()
     hyper = torch.cat([torch.tensor([-1.0, 4.0], dtype=torch.float64), client.spec.encode(opt)])
-    server = client.world_size  # PS-group rank of dedicated server 0
     t0 = time.monotonic()
-    try:
-        hbuf, works, _, _ = client._request(
-            Kind.PUSH_PULL, 0, server, torch.zeros(3), hyper, client.plan.shard_numel(0)
-        )
-        client._finish(hbuf, works, server, "a malformed push")
+    try:  # straight to dedicated server 0's wire endpoint: 3 gradient values for a shard of more
+        client.topo.endpoints[0].push_pull(client.rank, torch.zeros(3), hyper).result(60.0)
         result: dict[str, Any] = {"type": None, "error": None}
     except Exception as exc:
         result = {"type": type(exc).__name__, "error": str(exc)}
@@ -85,13 +79,10 @@ def dedicated_job() -> None:
 def parked_push_refused(rank: int, world: int) -> dict[str, Any]:
     """sync, 2 workers, one dedicated server. Rank 1's push is parked (waiting for rank 0's); rank 0 then
     sends a push the server refuses, which fails the shard: rank 1 must get an error reply at once."""
-    from ivyplug.ps.messages import Kind
-
     model, opt = _model()
     client = PSClient.start(PSConfig(mode="sync", num_servers=1, timeout=30.0), list(model.named_parameters()), [], opt)
     client.pull_initial()
     dist.barrier()
-    server = client.world_size  # PS-group rank of dedicated server 0
     out: dict[str, Any] = {}
     t0 = time.monotonic()
     if rank == 1:
@@ -105,10 +96,7 @@ def parked_push_refused(rank: int, world: int) -> dict[str, Any]:
         time.sleep(1.0)  # rank 1's push is parked by now
         hyper = torch.cat([torch.tensor([-1.0, 4.0], dtype=torch.float64), client.spec.encode(opt)])
         try:
-            hbuf, works, _, _ = client._request(
-                Kind.PUSH_PULL, 0, server, torch.zeros(3), hyper, client.plan.shard_numel(0)
-            )
-            client._finish(hbuf, works, server, "a malformed push")
+            client.topo.endpoints[0].push_pull(client.rank, torch.zeros(3), hyper).result(30.0)
         except Exception as exc:
             out.update(type=type(exc).__name__, error=str(exc))
     out["seconds"] = time.monotonic() - t0

@@ -131,7 +131,8 @@ def test_dedicated_servers_exit_when_rank0_is_killed() -> None:
         # the refused push came back as an error reply at once (not a PSTimeoutError after 60 s)
         refused = json.loads(next(x for x in job.lines if x.startswith("ERROR_REPLY")).split(" ", 1)[1])
         assert refused["type"] == "PSProtocolError", refused
-        assert "failed while answering a malformed push" in refused["error"], refused
+        assert "failed while answering the push/pull of shard 0" in refused["error"], refused
+        assert "push from worker 0 has 3 values, expected" in refused["error"], refused  # the server's own text
         assert refused["seconds"] < 30, refused
         os.kill(job.proc.pid, signal.SIGKILL)
         job.proc.wait(10)

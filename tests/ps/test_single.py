@@ -120,7 +120,7 @@ def test_dispatch_and_stop_in_process() -> None:
 
 def _hyper(spec: Any, opt: torch.optim.Optimizer, num_params: int = 1, flags: int = 0) -> torch.Tensor:
     """A push's hyper vector as PSClient.step builds it: every parameter has a gradient."""
-    from ivyplug.ps.server import HYPER_PREFIX, encode_mask
+    from ivyplug.ps.push import HYPER_PREFIX, encode_mask
 
     prefix = torch.tensor([-1.0, 1.0, float(flags), *encode_mask([True] * num_params)], dtype=torch.float64)
     hyper = torch.cat([prefix, spec.encode(opt)])
@@ -136,7 +136,7 @@ def test_staleness_scaling_inverse_steps_with_lr_over_tau_plus_one(optimizer: st
     gradient's size, so scaling the gradient by 1/4 (the old rule) would still move every element by lr.
     """
     from ivyplug.ps.mirror import OptimizerSpec
-    from ivyplug.ps.server import ShardServer
+    from ivyplug.ps.shard import Shard
     from ivyplug.ps.sharding import TensorSpec, build_plan
 
     p = torch.zeros(4, requires_grad=True)
@@ -145,16 +145,15 @@ def test_staleness_scaling_inverse_steps_with_lr_over_tau_plus_one(optimizer: st
     spec = OptimizerSpec.from_optimizer(opt, [p])
     plan = build_plan([TensorSpec("p", (4,))], 1)
     for scaling, want in (("inverse", -lr / 4.0), ("none", -lr)):
-        srv = ShardServer(0, plan, PSConfig(mode="async", staleness_scaling=scaling), 2, spec, torch.zeros(4))
+        srv = Shard(0, plan, PSConfig(mode="async", staleness_scaling=scaling), 2, spec, torch.zeros(4))
         hyper = _hyper(spec, opt)
-        with srv.cond:
-            srv.snapshot(1)  # worker 1 saw version 0
-            for _ in range(3):
-                srv.push(0, torch.zeros(4), hyper)
-            before = srv.masters[0].detach().clone()
-            if optimizer == "adam":  # a fresh Adam state, so its step is lr · sign(g) (times the scale)
-                srv.optimizer.state.clear()
-            tau = srv.push(1, torch.ones(4), hyper)
+        srv.pull(1).result(1)  # worker 1 saw version 0
+        for _ in range(3):
+            srv.push_pull(0, torch.zeros(4), hyper).result(1)
+        before = srv.masters[0].detach().clone()
+        if optimizer == "adam":  # a fresh Adam state, so its step is lr · sign(g) (times the scale)
+            srv.optimizer.state.clear()
+        tau = srv.push_pull(1, torch.ones(4), hyper).result(1).staleness
         assert tau == 3
         torch.testing.assert_close(srv.masters[0].detach() - before, torch.full((4,), want), rtol=1e-5, atol=1e-7)
         assert srv.optimizer.param_groups[0]["lr"] == lr  # the scale applied to that step only

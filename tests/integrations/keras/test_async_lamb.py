@@ -133,7 +133,7 @@ def record_exchanges() -> None:
                 "pulls": [],  # the params right after that push's reply: the global copy pulled back
                 "arrivals": [],  # (worker, staleness) of every push that reached this process's shard
             }
-            step, push = client.step, server.push
+            step, push = client.step, server._push
 
             def recording_step(num_samples: int, max_grad_norm: float | None = None) -> None:
                 pushed = [p.grad.detach().numpy().copy() for p in params]
@@ -147,7 +147,7 @@ def record_exchanges() -> None:
                 return tau
 
             client.step = recording_step
-            server.push = recording_push
+            server._push = recording_push
 
         def on_train_end(self, logs: dict | None = None) -> None:
             super().on_train_end(logs)
@@ -168,7 +168,7 @@ def _rows(pieces: list[tuple[int, str, int, int]], shape_of: list[tuple[int, ...
 
 
 def staleness_scale(tau: int) -> float:
-    """``staleness_scaling="inverse"``: a push of staleness tau steps with lr / (tau + 1) (ivyplug/ps/server.py)."""
+    """``staleness_scaling="inverse"``: a push of staleness tau steps with lr / (tau + 1) (ivyplug/ps/shard.py)."""
     return 1.0 / (tau + 1)
 
 
@@ -182,7 +182,7 @@ def replay_merges(
     """The server's merge rule replayed in float64 on the recorded deltas: (final copy, expected pulls).
 
     The servers run SGD with lr = merge_rate on the pushed pseudo-gradient g = snapshot - local = -delta
-    (ivyplug/ps/delta_exchange.py, ivyplug/ps/server.py):
+    (ivyplug/ps/delta_exchange.py, ivyplug/ps/shard.py):
     - sync: step k merges the weighted mean of the workers' k-th deltas, x += rate * sum(n_w d_w) / sum(n_w),
       with n_w the local steps a worker reports (merge_rate None -> rate 1); every reply is x after step k.
     - async: each delta merges on arrival, x += rate * d (merge_rate None -> rate 1, or 1/num_workers with

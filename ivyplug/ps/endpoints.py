@@ -1,0 +1,202 @@
+"""How a worker (or another shard) talks to a shard: one interface, an in-process and a wire endpoint.
+
+:class:`ShardEndpoint` is what the client loops over. :class:`InProcessEndpoint` calls a :class:`Shard` of
+this process (a co-located worker's own shard: gloo cannot send to itself); :class:`WireEndpoint` sends the
+same requests as fixed-header messages (messages.py) to the rank that serves the shard, whose server loop
+decodes them into the same shard calls. Both answer ``push_pull`` and ``pull`` with a :class:`PendingReply`
+whose ``result(timeout)`` blocks until the reply is there (no polling), so a step posts every shard's
+request first and then collects the replies.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ivyplug.ps import typed_state
+from ivyplug.ps.messages import Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
+from ivyplug.ps.shard import Reply, Shard, load_state_bytes
+from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError
+
+
+class PendingReply(Protocol):
+    def result(self, timeout: float) -> Reply: ...
+
+
+class ShardEndpoint(Protocol):
+    """One shard as the client sees it, wherever it runs."""
+
+    shard: int
+
+    def push_pull(self, worker: int, data: torch.Tensor, hyper: torch.Tensor) -> PendingReply: ...
+
+    def pull(self, worker: int) -> PendingReply: ...
+
+    def idle(self, worker: int) -> None: ...
+
+    def norm(self, step: int, shard: int, sq: float) -> None: ...
+
+    def state(self) -> bytes: ...
+
+    def load(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class WireStats:
+    """Traffic and waiting of one worker's wire endpoints (its PS metrics)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wait_seconds: float = 0.0
+    remote_stop: bool = False
+
+
+class _LocalReply:
+    def __init__(self, fut: Future[Reply], shard: Shard, worker: int, stats: WireStats) -> None:
+        self._fut, self._shard, self._worker, self._stats = fut, shard, worker, stats
+
+    def result(self, timeout: float) -> Reply:
+        t0 = time.monotonic()
+        try:
+            return self._fut.result(timeout)
+        except FutureTimeout:
+            raise PSTimeoutError(self._shard.describe_wait(self._worker, timeout)) from None
+        finally:
+            self._stats.wait_seconds += time.monotonic() - t0
+
+
+class InProcessEndpoint:
+    """A shard of this process, called directly."""
+
+    def __init__(self, shard: Shard, stats: WireStats | None = None) -> None:
+        self.target = shard
+        self.shard = shard.shard
+        self._stats = stats if stats is not None else WireStats()
+
+    def push_pull(self, worker: int, data: torch.Tensor, hyper: torch.Tensor) -> PendingReply:
+        return _LocalReply(self.target.push_pull(worker, data, hyper), self.target, worker, self._stats)
+
+    def pull(self, worker: int) -> PendingReply:
+        return _LocalReply(self.target.pull(worker), self.target, worker, self._stats)
+
+    def idle(self, worker: int) -> None:
+        self.target.idle(worker)
+
+    def norm(self, step: int, shard: int, sq: float) -> None:
+        self.target.norm(step, shard, sq)
+
+    def state(self) -> bytes:
+        return self.target.state()
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.target.load(state)
+
+
+class _WireReply:
+    def __init__(
+        self, endpoint: WireEndpoint, hbuf: torch.Tensor, works: list[Any], out: torch.Tensor | None, what: str
+    ):
+        self._endpoint, self._hbuf, self._works, self._out, self._what = endpoint, hbuf, works, out, what
+
+    def header(self, timeout: float) -> Header:
+        return self._endpoint.finish(self._hbuf, self._works, self._what, timeout)
+
+    def result(self, timeout: float) -> Reply:
+        h = self.header(timeout)
+        assert self._out is not None
+        return Reply(self._out, h.arg1, h.arg0, h.arg2)
+
+
+class WireEndpoint:
+    """A shard served by PS-group rank ``dst``, reached over ``channel`` (this process's rank ``sender``)."""
+
+    def __init__(self, channel: Channel, dst: int, shard: int, numel: int, stats: WireStats | None = None) -> None:
+        self.channel = channel
+        self.dst = dst
+        self.shard = shard
+        self.numel = numel
+        self._stats = stats if stats is not None else WireStats()
+        self._reply_buf: torch.Tensor | None = None  # reused: a reply is unpacked before the next request
+        self._seq = 0
+
+    # -- plumbing shared by every request ---------------------------------------------------------
+    def request(
+        self,
+        kind: int,
+        data: torch.Tensor | None = None,
+        hyper: torch.Tensor | None = None,
+        reply_numel: int = 0,
+        what: str = "",
+        **args: int,
+    ) -> _WireReply:
+        self._seq += 1
+        if kind in (Kind.PUSH_PULL, Kind.PULL):
+            if self._reply_buf is None:
+                self._reply_buf = torch.empty(self.numel, dtype=torch.float32)
+            out: torch.Tensor | None = self._reply_buf
+        else:
+            out = torch.empty(reply_numel, dtype=torch.float32) if reply_numel else None
+        hbuf, works = self.channel.post_reply(self.dst, out)
+        h = Header(kind=kind, sender=self.channel.rank, shard=self.shard, seq=self._seq, **args)
+        self._stats.bytes_sent += self.channel.send(self.dst, h, data, hyper, wait=False)
+        return _WireReply(self, hbuf, works, out, what or f"a kind-{kind} request for shard {self.shard}")
+
+    def finish(self, hbuf: torch.Tensor, works: list[Any], what: str, timeout: float) -> Header:
+        t0 = time.monotonic()
+        h = self.channel.wait_reply(hbuf, works, f"rank {self.dst}'s reply to {what}", timeout)
+        self._stats.wait_seconds += time.monotonic() - t0
+        if h.status != Status.OK:
+            try:
+                text = self.channel.recv_error_text(self.dst, h.arg3)
+            except (PSProtocolError, PSTimeoutError) as exc:
+                text = f"(its error text could not be received: {exc})"
+            raise PSProtocolError(f"PS server on rank {self.dst} failed while answering {what}: {text or 'no details'}")
+        if h.flags & Flag.STOP:
+            self._stats.remote_stop = True
+        self._stats.bytes_received += 128 + 4 * h.numel
+        return h
+
+    def send(self, kind: int, data: torch.Tensor | None = None, hyper: torch.Tensor | None = None, **args: int) -> None:
+        """A message without a reply (waits until it left)."""
+        h = Header(kind=kind, sender=self.channel.rank, shard=self.shard, **args)
+        self._stats.bytes_sent += self.channel.send(self.dst, h, data, hyper, wait=True)
+
+    # -- the shard interface ------------------------------------------------------------------------
+    def push_pull(self, worker: int, data: torch.Tensor, hyper: torch.Tensor) -> PendingReply:
+        return self.request(Kind.PUSH_PULL, data, hyper, what=f"the push/pull of shard {self.shard}")
+
+    def pull(self, worker: int) -> PendingReply:
+        return self.request(Kind.PULL, what=f"the pull of shard {self.shard}")
+
+    def idle(self, worker: int) -> None:
+        self.send(Kind.IDLE)
+
+    def norm(self, step: int, shard: int, sq: float) -> None:
+        h = Header(kind=Kind.NORM, sender=self.channel.rank, shard=self.shard, arg0=step, arg1=shard)
+        self.channel.send(self.dst, h, None, torch.tensor([sq], dtype=torch.float64), wait=False)
+
+    def state(self) -> bytes:
+        timeout = self.channel.timeout
+        nbytes = self.request(Kind.STATE_SIZE).header(timeout).arg0
+        fetch = self.request(Kind.STATE_FETCH, reply_numel=(nbytes + 3) // 4)
+        fetch.header(timeout)
+        return words_to_bytes(fetch._out, nbytes) if fetch._out is not None else b""
+
+    def load(self, state: dict[str, Any]) -> None:
+        blob = typed_state.encode(state)
+        self.request(Kind.LOAD, bytes_to_words(blob), arg0=len(blob)).header(self.channel.timeout)
+
+
+__all__ = [
+    "InProcessEndpoint",
+    "PendingReply",
+    "ShardEndpoint",
+    "WireEndpoint",
+    "WireStats",
+    "load_state_bytes",
+]

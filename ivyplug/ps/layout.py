@@ -1,0 +1,118 @@
+"""The flat fp32 layout of a worker's params and buffers per shard, and packing into reused buffers.
+
+A shard's vector holds its pieces (parameter row blocks, whole buffers) in plan order: gradients then
+buffers on a push, parameters then buffers on a reply. Float buffers travel by value; integer buffers as
+their int64 bits, two fp32 words per element (exact, never touched by float arithmetic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ivyplug.ps.shard import piece_shape
+from ivyplug.ps.sharding import ShardPlan
+
+
+def buffer_words(b: torch.Tensor) -> torch.Tensor:
+    """A buffer as flat fp32 words: float buffers by value, integer ones as their int64 bits (exact)."""
+    flat = b.detach().reshape(-1).cpu()
+    if b.is_floating_point():
+        return flat.float()
+    return flat.to(torch.int64).view(torch.float32)
+
+
+class FlatLayout:
+    """Where each of a worker's tensors lives in each shard's flat vector; packs and unpacks them."""
+
+    def __init__(
+        self, plan: ShardPlan, params: Sequence[tuple[str, torch.Tensor]], buffers: Sequence[tuple[str, torch.Tensor]]
+    ) -> None:
+        self.plan = plan
+        self.params = list(params)
+        self.buffers = list(buffers)
+        self._push_bufs: dict[int, torch.Tensor] = {}
+        self.float_ranges = [plan.float_ranges(s) for s in range(plan.num_shards)]
+
+    def tensor(self, index: int) -> torch.Tensor:
+        n = len(self.params)
+        return self.params[index][1] if index < n else self.buffers[index - n][1]
+
+    def flat_local(self) -> torch.Tensor:
+        """All params then buffers of this process, flat fp32 words (the initial broadcast)."""
+        ts = [p.detach().reshape(-1).float().cpu() for _, p in self.params]
+        ts += [buffer_words(b) for _, b in self.buffers]
+        return torch.cat(ts) if ts else torch.zeros(0)
+
+    def gather_shard(self, full: torch.Tensor, shard: int, out: torch.Tensor) -> None:
+        """Copy ``shard``'s pieces out of a :meth:`flat_local` vector into ``out``."""
+        starts = [0]
+        for s in self.plan.specs:
+            starts.append(starts[-1] + s.words)
+        for p in self.plan.pieces[shard]:
+            spec = self.plan.specs[p.index]
+            row = spec.numel // (spec.shape[0] if spec.shape else 1) if spec.shape else 1
+            a = starts[p.index] + p.row_start * row
+            out[p.offset : p.offset + p.numel].copy_(full[a : a + p.numel])
+
+    def shard_values(self, full: torch.Tensor, shard: int) -> torch.Tensor:
+        out = torch.empty(self.plan.shard_numel(shard), dtype=torch.float32)
+        self.gather_shard(full, shard, out)
+        return out
+
+    def pack(self, shard: int, clip: float) -> torch.Tensor:
+        """This worker's gradients (zeros where None, times ``clip``) then buffers of ``shard``.
+
+        Into a buffer allocated once per shard: a fresh multi-MB tensor per step costs page faults on first
+        touch (glibc serves large blocks with mmap), about as much as the copy. Reuse is safe: a step waits
+        for its sends and unpacks every reply before the next step packs into the same buffer.
+        """
+        out = self._push_bufs.get(shard)
+        if out is None:
+            out = self._push_bufs[shard] = torch.empty(self.plan.shard_numel(shard), dtype=torch.float32)
+        for p in self.plan.pieces[shard]:
+            dst = out[p.offset : p.offset + p.numel]
+            t = self.tensor(p.index)
+            if not p.is_float:
+                dst.copy_(buffer_words(t))
+                continue
+            if p.kind == "param":
+                g = t.grad
+                if g is None:
+                    dst.zero_()
+                    continue
+                src = g.detach()
+            else:
+                src = t.detach()
+            if src.dim() > 0 and (p.row_start, p.row_end) != (0, src.shape[0]):
+                src = src[p.row_start : p.row_end]
+            dst.copy_(src.reshape(-1))
+            if p.kind == "param" and clip != 1.0:
+                dst.mul_(clip)
+        return out
+
+    def unpack(self, shard: int, flat: torch.Tensor) -> None:
+        """Write a reply (``shard``'s params then buffers) into this worker's tensors."""
+        with torch.no_grad():
+            for p in self.plan.pieces[shard]:
+                t = self.tensor(p.index)
+                spec = self.plan.specs[p.index]
+                if not p.is_float:  # int64 bits, exact (cloned: a view needs 8-byte alignment)
+                    t.copy_(flat[p.offset : p.offset + p.numel].clone().view(torch.int64).view(t.shape))
+                    continue
+                src = flat[p.offset : p.offset + p.numel].view(piece_shape(spec.shape, p))
+                if t.dim() > 0 and (p.row_start, p.row_end) != (0, t.shape[0]):
+                    t[p.row_start : p.row_end].copy_(src)
+                else:
+                    t.copy_(src.view(t.shape) if t.dim() == 0 else src)
+
+    def first_nonfinite(self) -> str:
+        """Names the first gradient or float buffer holding a NaN/Inf (for the error and the warning)."""
+        for n, p in self.params:
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return f"the gradient of {n!r}"
+        for n, b in self.buffers:
+            if b.is_floating_point() and not bool(torch.isfinite(b).all()):
+                return f"buffer {n!r}"
+        return "a pushed tensor"

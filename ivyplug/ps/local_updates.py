@@ -1,0 +1,29 @@
+"""The protocol through which an optimizer with local updates works with the PS (``AsyncLAMB``, ...).
+
+Such an optimizer steps on the worker and exchanges its progress with the servers itself, every few
+steps. A training loop (the Lightning strategy, a Keras callback) needs only these four calls: start the
+PS with the optimizer the servers run instead (the *outer* one), attach the client, and at every meeting
+point (validation, checkpoint, end of fit) flush the local progress before a sync and re-snapshot after.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ivyplug.ps.client import PSClient
+
+
+@runtime_checkable
+class LocalUpdates(Protocol):
+    def outer_optimizer(self, mode: str, num_workers: int, staleness_scaling: str = "inverse") -> Any:
+        """The optimizer the servers mirror (pass it to ``PSClient.start``)."""
+
+    def attach(self, client: PSClient) -> None:
+        """Exchange through ``client`` from now on; the current values are the pulled global copy."""
+
+    def flush(self) -> None:
+        """Push the progress made since the last exchange (before a sync)."""
+
+    def reset_snapshot(self) -> None:
+        """Measure the next delta from the current values (after a sync or a load)."""

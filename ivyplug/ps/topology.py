@@ -1,0 +1,141 @@
+"""Where the shards run, and the endpoints a worker reaches them through.
+
+* co-located (``num_servers=0``): worker rank r serves shard r in a server-loop thread and reaches the
+  other shards over a gloo group of its own; its own shard through an in-process endpoint (gloo cannot
+  send to itself).
+* dedicated (``num_servers=k``): rank 0 starts k CPU server processes on its host (dedicated.py); every
+  worker reaches every shard over the wire. Rank 0 also serves the batch queue in a loop thread.
+
+Everything else (a step, sync, checkpoints) is the same loop over the endpoints in either topology.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ivyplug.ps.config import PSConfig
+from ivyplug.ps.dedicated import connect, launch, ps_host
+from ivyplug.ps.dispatch import BatchQueue
+from ivyplug.ps.endpoints import InProcessEndpoint, ShardEndpoint, WireEndpoint, WireStats
+from ivyplug.ps.layout import FlatLayout
+from ivyplug.ps.mirror import OptimizerSpec
+from ivyplug.ps.server_loop import ServerLoop
+from ivyplug.ps.shard import Shard
+from ivyplug.ps.sharding import ShardPlan
+from ivyplug.ps.transport import Channel, PSTimeoutError
+from ivyplug.ps.worker_group import WorkerGroup
+
+
+@dataclass
+class Topology:
+    """What a worker holds of the PS: endpoints per shard and what it runs itself."""
+
+    endpoints: dict[int, ShardEndpoint]
+    local: Shard | None = None  # the shard this process serves (co-located)
+    channel: Channel | None = None
+    p2p_group: Any = None
+    loop: ServerLoop | None = None
+    queue: BatchQueue | None = None  # rank 0's batch queue (async/ssp dispatch)
+    queue_endpoint: WireEndpoint | None = None  # how other ranks reach it
+    server_procs: list[Any] = field(default_factory=list)
+    store: Any = None
+    loop_ranks: list[int] = field(default_factory=list)  # other PS-group ranks that run a loop (STOP, BYE)
+    owns_p2p_group: bool = True
+
+
+def colocated(
+    cfg: PSConfig,
+    plan: ShardPlan,
+    spec: OptimizerSpec,
+    layout: FlatLayout,
+    rank: int,
+    world_size: int,
+    workers: WorkerGroup,
+    stop: threading.Event,
+    stats: WireStats,
+) -> Topology:
+    channel = None
+    if world_size > 1:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout))
+        channel = Channel(group, rank, cfg.timeout)
+    full = layout.flat_local()
+    workers.broadcast(full, "rank 0's parameters")
+    local = Shard(rank, plan, cfg, world_size, spec, layout.shard_values(full, rank))
+    # the own shard first: a step collects its reply first, so a wait that times out is the one that can
+    # say what it waits for, before any wire receive times out (gloo closes a pair whose receive timed out)
+    endpoints: dict[int, ShardEndpoint] = {}
+    if rank in plan.nonempty_shards():
+        endpoints[rank] = InProcessEndpoint(local, stats)
+    for s in plan.nonempty_shards():
+        if s != rank:
+            assert channel is not None
+            endpoints[s] = WireEndpoint(channel, s, s, plan.shard_numel(s), stats)
+    # the sync-mode norm exchange: shard to shard over the same wire endpoints
+    local.connect_peers({s: ep for s, ep in endpoints.items() if s != rank})
+    topo = Topology(endpoints, local=local, channel=channel, p2p_group=channel.group if channel else None)
+    topo.queue = BatchQueue(world_size) if rank == 0 else None
+    if channel is not None:
+        others = set(range(world_size)) - {rank}
+        topo.loop = ServerLoop(channel, local, topo.queue, others, stop, workers=others)
+        topo.loop.start()
+        topo.loop_ranks = sorted(others)
+        if rank != 0:
+            topo.queue_endpoint = WireEndpoint(channel, 0, -1, 0, stats)
+        workers.barrier("every rank's PS server to start")
+    return topo
+
+
+def dedicated(
+    cfg: PSConfig,
+    plan: ShardPlan,
+    spec: OptimizerSpec,
+    layout: FlatLayout,
+    rank: int,
+    world_size: int,
+    workers: WorkerGroup,
+    stop: threading.Event,
+    stats: WireStats,
+) -> Topology:
+    """Rank 0 starts the server processes; every worker joins the PS group (see dedicated.py)."""
+    host = ps_host()
+    port = torch.zeros(1, dtype=torch.int64)
+    store = None
+    procs: list[Any] = []
+    if rank == 0:
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout))
+        port[0] = store.port
+        full = layout.flat_local()
+        values = [layout.shard_values(full, s) for s in range(plan.num_shards)]
+        procs = launch(host, int(port), world_size, cfg, list(plan.specs), spec, values)
+    workers.broadcast(port, "the PS store port")
+    try:
+        group, store = connect(host, int(port), rank, world_size + cfg.num_servers, cfg.timeout, store=store)
+    except RuntimeError as exc:
+        for proc in procs:  # do not leave half-started servers behind
+            proc.kill()
+            proc.join(5)
+        raise PSTimeoutError(
+            f"rank {rank} could not join the PS group of {world_size} workers and {cfg.num_servers} dedicated "
+            f"servers at {host}:{int(port)} within {cfg.timeout:g} s: {exc}"
+        ) from exc
+    channel = Channel(group, rank, cfg.timeout)
+    endpoints: dict[int, ShardEndpoint] = {
+        s: WireEndpoint(channel, world_size + s, s, plan.shard_numel(s), stats) for s in plan.nonempty_shards()
+    }
+    topo = Topology(endpoints, channel=channel, p2p_group=group, server_procs=procs, store=store, owns_p2p_group=False)
+    topo.loop_ranks = ([0] if rank != 0 and world_size > 1 else []) + [world_size + s for s in range(cfg.num_servers)]
+    if rank == 0:
+        topo.queue = BatchQueue(world_size)
+        if world_size > 1:
+            topo.loop = ServerLoop(channel, None, topo.queue, set(range(1, world_size)), stop)
+            topo.loop.start()
+    else:
+        topo.queue_endpoint = WireEndpoint(channel, 0, -1, 0, stats)
+    workers.barrier("every worker to join the PS group")
+    return topo

@@ -1,0 +1,76 @@
+"""The few collectives among a job's workers (start, sync, epoch start, checkpoints, close).
+
+They run on a gloo group of their own, so they never interleave with the point-to-point PS traffic, and
+every one of them is bounded by the PS ``timeout`` with an error naming what it waited for.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ivyplug.ps.transport import wait_work
+
+
+class WorkerGroup:
+    """Collectives among ``world_size`` workers (no communication at all with one worker)."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.group: Any = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if world_size > 1 else None
+
+    def wait(self, work: Any, what: str) -> None:
+        wait_work(work, self.timeout, f"{what} (collective on the PS group, rank {self.rank})")
+
+    def barrier(self, what: str) -> None:
+        if self.world_size > 1:
+            self.wait(dist.barrier(group=self.group, async_op=True), what)
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        """Rank 0's ``tensor`` to every worker, in place."""
+        if self.world_size > 1:
+            self.wait(dist.broadcast(tensor, src=0, group=self.group, async_op=True), what)
+
+    def all_gather(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        if self.world_size == 1:
+            return [tensor]
+        parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+        self.wait(dist.all_gather(parts, tensor, group=self.group, async_op=True), what)
+        return parts
+
+    def share_all(self, blob: bytes) -> list[bytes]:
+        """All-gather one byte string per worker."""
+        if self.world_size == 1:
+            return [blob]
+        mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([mine.numel()], dtype=torch.int64), "checkpoint sizes")
+        longest = max(1, max(int(x) for x in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: mine.numel()] = mine
+        parts = self.all_gather(padded, "checkpoint shards")
+        return [parts[r][: int(sizes[r])].numpy().tobytes() for r in range(self.world_size)]
+
+    def share_from_rank0(self, blobs: list[bytes], count: int) -> list[bytes]:
+        """Rank 0's ``count`` byte strings to every worker."""
+        if self.world_size == 1:
+            return blobs
+        sizes = torch.tensor([len(b) for b in blobs] if self.rank == 0 else [0] * count, dtype=torch.int64)
+        self.broadcast(sizes, "checkpoint sizes")
+        data = torch.zeros(max(1, int(sizes.sum())), dtype=torch.uint8)
+        if self.rank == 0 and int(sizes.sum()):
+            data[: int(sizes.sum())] = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+        self.broadcast(data, "checkpoint shards")
+        raw = data.numpy().tobytes()
+        out, start = [], 0
+        for n in sizes.tolist():
+            out.append(raw[start : start + n])
+            start += n
+        return out
+
+    def close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,111 @@
+"""Shards and endpoints without gloo: two shards wired in-process, two workers' pushes as futures."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from ivyplug.ps import PSConfig
+from ivyplug.ps.endpoints import InProcessEndpoint
+from ivyplug.ps.layout import FlatLayout
+from ivyplug.ps.mirror import OptimizerSpec
+from ivyplug.ps.push import encode_mask
+from ivyplug.ps.shard import Shard
+from ivyplug.ps.sharding import TensorSpec, build_plan
+from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
+from tests.ps.scenarios import batch, mlp
+
+
+def _job(
+    mode: str, opt_name: str = "sgd"
+) -> tuple[list[torch.nn.Module], list[FlatLayout], list[InProcessEndpoint], list]:
+    models = [mlp(seed=0), mlp(seed=0)]
+    opts = [
+        torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        if opt_name == "sgd"
+        else torch.optim.AdamW(m.parameters())
+        for m in models
+    ]
+    named = list(models[0].named_parameters())
+    spec = OptimizerSpec.from_optimizer(opts[0], [p for _, p in named])
+    plan = build_plan([TensorSpec(n, tuple(p.shape)) for n, p in named], 2)
+    layouts = [FlatLayout(plan, list(m.named_parameters()), []) for m in models]
+    full = layouts[0].flat_local()
+    shards = [Shard(s, plan, PSConfig(mode=mode), 2, spec, layouts[0].shard_values(full, s)) for s in range(2)]
+    endpoints = [InProcessEndpoint(sh) for sh in shards]
+    for sh in shards:  # the norm exchange goes shard to shard, here in-process
+        sh.connect_peers({e.shard: e for e in endpoints})
+    return models, layouts, endpoints, [spec, opts]
+
+
+def _hyper(spec: OptimizerSpec, opt: torch.optim.Optimizer, n: int, clip: float, num_params: int) -> torch.Tensor:
+    prefix = torch.tensor([clip, float(n), 0.0, *encode_mask([True] * num_params)], dtype=torch.float64)
+    return torch.cat([prefix, spec.encode(opt)])
+
+
+def test_sync_two_shards_clip_by_the_global_norm_through_shard_to_shard_norms() -> None:
+    """Worker 0's replies wait (futures) until worker 1 pushed; both then hold one process's result."""
+    models, layouts, endpoints, (spec, opts) = _job("sync")
+    ref = copy.deepcopy(models[0])
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    sizes = [3, 5]
+    num_params = len(list(ref.parameters()))
+    for step in range(4):
+        x, y = batch(step, sum(sizes))
+        pending = []
+        for w, (model, layout) in enumerate(zip(models, layouts, strict=True)):
+            lo = sum(sizes[:w])
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[lo : lo + sizes[w]]), y[lo : lo + sizes[w]]).backward()
+            hyper = _hyper(spec, opts[w], sizes[w], 0.5, num_params)
+            replies = [(ep.shard, ep.push_pull(w, layout.pack(ep.shard, 1.0).clone(), hyper)) for ep in endpoints]
+            if w == 0:  # nothing is applied before every worker pushed: these are still pending
+                with pytest.raises(PSTimeoutError, match="pushes of step"):
+                    replies[0][1].result(0.01)
+            pending.append(replies)
+        for w, replies in enumerate(pending):
+            for s, reply in replies:
+                layouts[w].unpack(s, reply.result(1.0).snapshot)
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+    for model in models:
+        for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_failing_shard_fails_its_pending_replies_at_once() -> None:
+    models, layouts, endpoints, (spec, opts) = _job("sync")
+    num_params = len(list(models[0].parameters()))
+    models[0](torch.randn(2, 6)).sum().backward()
+    hyper = _hyper(spec, opts[0], 2, -1.0, num_params)
+    reply = endpoints[0].push_pull(0, layouts[0].pack(0, 1.0).clone(), hyper)  # waits for worker 1
+    endpoints[0].target.fail(RuntimeError("disk on fire"))
+    with pytest.raises(PSProtocolError, match="disk on fire"):
+        reply.result(1.0)
+    with pytest.raises(PSProtocolError, match="failed earlier: RuntimeError: disk on fire"):
+        endpoints[0].pull(1).result(1.0)
+
+
+def test_a_reply_is_resolved_after_the_shard_lock_is_released() -> None:
+    """A callback on a reply (the server loop's send) may call the shard again: it runs outside its lock."""
+    models, layouts, endpoints, (spec, opts) = _job("sync")
+    shard = endpoints[0].target
+    num_params = len(list(models[0].parameters()))
+    for model in models:
+        model(torch.randn(2, 6)).sum().backward()
+    hypers = [_hyper(spec, opts[w], 2, -1.0, num_params) for w in range(2)]
+    seen: list[int] = []
+    fut = shard.push_pull(0, layouts[0].pack(0, 1.0).clone(), hypers[0])  # pending until worker 1 pushes
+    fut.add_done_callback(lambda f: seen.append(shard.versions()[0]))  # takes the (non-reentrant) lock
+    worker1 = threading.Thread(
+        target=shard.push_pull, args=(1, layouts[1].pack(0, 1.0).clone(), hypers[1]), daemon=True
+    )
+    worker1.start()
+    worker1.join(10)
+    assert not worker1.is_alive(), "the reply was resolved with the shard's lock held (deadlock)"
+    assert seen == [1]

@@ -34,6 +34,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from ivyplug.integrations.lightning.json_collectives import all_gather_json, broadcast_json
 from ivyplug.integrations.lightning.oom_recovery import OOMRecovery
 from ivyplug.integrations.lightning.share_sampler import ShareBatchSampler, loader_spec, rebuild_loader, why_unsupported
 from ivyplug.integrations.lightning.weighted_comm_hook import ShareHookState, share_weighted_hook
@@ -405,9 +406,7 @@ class IvyLoadBalancer(Callback):
     def _gather(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         if self._world == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return [record]
-        out: list[Any] = [None] * self._world
-        torch.distributed.all_gather_object(out, record)
-        return out
+        return all_gather_json(record, self._world)  # tensors of JSON: nothing received is unpickled
 
     def _policy(self) -> BatchSizePolicy:
         if self.policy is not None:
@@ -490,7 +489,7 @@ class IvyLoadBalancer(Callback):
         decision = self._decide(records) if self._rank == 0 else None
         if self._world > 1:
             sync_start = time.perf_counter()
-            decision = trainer.strategy.broadcast(decision, src=0)
+            decision = broadcast_json(decision, src=0)
             self._sync_seconds += time.perf_counter() - sync_start
         assert decision is not None
         old = self.batch_size

@@ -63,6 +63,15 @@ def _constant(value: float, dtype: Any) -> Any:
     return ops.convert_to_tensor(value, dtype=dtype)
 
 
+def _sum_of_squares(x: Any) -> Any:
+    """``Σx²``; on TensorFlow one reduction kernel (``l2_loss``) instead of a squared temporary and a sum."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return 2 * tf.nn.l2_loss(x)
+    return ops.sum(ops.square(x))
+
+
 def _variable_path(variable: Any) -> str:
     """The name patterns are matched against: ``layer/.../name`` when Keras knows it."""
     return str(getattr(variable, "path", None) or variable.name)
@@ -211,7 +220,7 @@ class LAMB(keras.optimizers.Optimizer):
         """
         grads = [ops.convert_to_tensor(g) for g in grads]
         norm_dtype = keras.backend.result_type(*[g.dtype for g in grads], "float32")
-        total = ops.sqrt(ops.sum(ops.stack([ops.sum(ops.square(ops.cast(g, norm_dtype))) for g in grads])))
+        total = ops.sqrt(ops.sum(ops.stack([_sum_of_squares(ops.cast(g, norm_dtype)) for g in grads])))
         finite = ops.isfinite(total)  # False when any element is NaN/Inf, or when the norm overflows
         if self.max_grad_norm is None:
             return grads, finite
@@ -256,6 +265,36 @@ class LAMB(keras.optimizers.Optimizer):
         self._lamb_update(gradient, variable, learning_rate, ops.all(ops.isfinite(gradient)))
 
     def _lamb_update(self, gradient: Any, variable: Any, learning_rate: Any, apply: Any) -> None:
+        """Write one variable's step if ``apply`` (a boolean tensor) holds.
+
+        TensorFlow gets one branch per variable (nothing is computed or written when the step is skipped); the other
+        backends select with ``where`` (their optimizers are traced without side effects in branches).
+        """
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            def run() -> None:
+                m_new, v_new, step = self._lamb_step(gradient, variable, learning_rate)
+                self.assign(self._momentums[index], m_new)
+                self.assign(self._velocities[index], v_new)
+                self.assign_sub(variable, step)
+
+            index = self._get_variable_index(variable)
+            tf.cond(tf.convert_to_tensor(apply), run, lambda: None)
+            return
+        index = self._get_variable_index(variable)
+        m, v = self._momentums[index], self._velocities[index]
+        m_new, v_new, step = self._lamb_step(gradient, variable, learning_rate)
+        self.assign(m, ops.where(apply, m_new, m))
+        self.assign(v, ops.where(apply, v_new, v))
+        self.assign_sub(variable, ops.where(apply, step, ops.zeros_like(step)))
+
+    def _lamb_step(self, gradient: Any, variable: Any, learning_rate: Any) -> tuple[Any, Any, Any]:
+        """The new moments and the step ``η·ratio·u`` to subtract, with few full-size operations.
+
+        ``m̂/(√v̂+ε) = c·m/(√v+ε·√bc2)`` with ``c = √bc2/bc1`` turns the bias corrections into scalars, and
+        ``u = c·w`` with ``w = m/(√v+ε') + (λ/c)·x`` keeps ``c`` out of the full-size work (‖u‖ = c·‖w‖).
+        """
         index = self._get_variable_index(variable)
         dtype = variable.dtype
         m = self._momentums[index]
@@ -264,21 +303,24 @@ class LAMB(keras.optimizers.Optimizer):
         lr = ops.cast(learning_rate, dtype)
         b1 = _constant(self.beta_1, dtype)
         b2 = _constant(self.beta_2, dtype)
+        eps = _constant(self.epsilon, dtype)
 
         m_new = m * b1 + g * (1 - b1)
         v_new = v * b2 + ops.square(g) * (1 - b2)
         if self.bias_correction:
             step = ops.cast(self.iterations + 1 - ops.cast(self._skipped_steps, self.iterations.dtype), dtype)
-            m_hat = m_new / (1 - ops.power(b1, step))
-            v_hat = v_new / (1 - ops.power(b2, step))
+            bc2_sqrt = ops.sqrt(1 - ops.power(b2, step))
+            c = bc2_sqrt / (1 - ops.power(b1, step))
+            eps = eps * bc2_sqrt
         else:
-            m_hat, v_hat = m_new, v_new
-        update = m_hat / (ops.sqrt(v_hat) + _constant(self.epsilon, dtype))
+            c = _constant(1.0, dtype)
+        w = m_new / (ops.sqrt(v_new) + eps)
         if self._decay_flags[index]:
-            update = update + _constant(self.lamb_weight_decay, dtype) * variable
+            w = w + variable * (_constant(self.lamb_weight_decay, dtype) / c)
+        scale = lr * c
         if self._adapt_flags[index]:
-            x_norm = ops.sqrt(ops.sum(ops.square(variable)))
-            u_norm = ops.sqrt(ops.sum(ops.square(update)))
+            x_norm = ops.sqrt(_sum_of_squares(variable))
+            u_norm = c * ops.sqrt(_sum_of_squares(w))
             usable = ops.logical_and(
                 ops.logical_and(x_norm > 0, u_norm > 0), ops.logical_and(ops.isfinite(x_norm), ops.isfinite(u_norm))
             )
@@ -288,13 +330,8 @@ class LAMB(keras.optimizers.Optimizer):
                 _constant(self.max_trust_ratio, dtype),
             )
             ratio = ops.where(usable, ratio, ops.ones_like(ratio))  # the fallback 1 is not clipped
-            update = update * (lr * ratio)
-        else:
-            update = update * lr
-
-        self.assign(m, ops.where(apply, m_new, m))
-        self.assign(v, ops.where(apply, v_new, v))
-        self.assign_sub(variable, ops.where(apply, update, ops.zeros_like(update)))
+            scale = scale * ratio
+        return m_new, v_new, w * scale
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -30,11 +31,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not a measurement)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results here as JSON")
+    parser.add_argument(
+        "--keras", action="store_true", help="lamb only: also compare the Keras LAMB with Keras's Lamb and AdamW"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHMARKS[args.name])
-    results = module.run(quick=args.quick)
+    extra = {}
+    if getattr(args, "keras", False):
+        if "keras" not in inspect.signature(module.run).parameters:
+            print(f"ivyplug bench {args.name}: --keras applies to 'lamb' only", file=sys.stderr)
+            return 2
+        extra["keras"] = True
+    results = module.run(quick=args.quick, **extra)
     print(module.format_table(results))
     text = json.dumps(results, indent=2, default=str)
     if args.json:

@@ -592,7 +592,10 @@ def _big_tensor_step(
     param_sq = update_sq = 0.0
     step = [kernel_steps[i]]
     for xp, gp, mp, vp, up, up_flat in parts:
-        (gs,) = _scaled_grads((gp,), (gp,), grad_scale, workspace)
+        gs = gp
+        if grad_scale != 1.0:
+            (gs,) = workspace.views((gp,), slot=1)
+            torch.mul(gp, grad_scale, out=gs)  # one pass; the fused kernels' own scaling would divide .grad in place
         if fold:
             up.copy_(xp)
             param_sq += _sumsq(up_flat)  # up holds x here

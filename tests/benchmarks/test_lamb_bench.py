@@ -51,9 +51,65 @@ def test_quick_run_reports_every_contender_for_both_allocators(monkeypatch: pyte
             assert rows[name]["median_ms"] > 0 and math.isfinite(rows[name]["ratio_vs_floor"])
         for name in ("torch-optimizer Lamb", "timm Lamb"):
             assert name in rows and (rows[name]["status"] == "ok") == ("median_ms" in rows[name])
+    targets = results["targets"]
+    assert set(targets["per_setting"]) == {"default", "glibc_raised"}
+    for per in targets["per_setting"].values():
+        assert per["lamb_vs_fused_adamw"] > 0 and isinstance(per["lamb_vs_fused_adamw_met"], bool)
+    assert "keras" not in results
     table = bench.format_table(results)
-    assert "| optimizer |" in table and "glibc_raised" in table and "targets at tiny" in table
+    assert "| optimizer |" in table and "glibc_raised" in table and "targets at tiny (default)" in table
     assert BENCHMARKS["lamb"] == "ivyplug.benchmarks.lamb"
+
+
+def test_quick_keras_run_reports_three_optimizers_with_and_without_xla(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--keras``: ivyplug's Keras LAMB, Keras's Lamb and AdamW, each with jit_compile off and on, in the JSON."""
+    from ivyplug.benchmarks import lamb_keras_job
+
+    def in_process(config: dict[str, Any], extra_env: dict[str, str], timeout: float) -> dict[str, Any]:
+        return json.loads(json.dumps(bench._child(config)))
+
+    def keras_in_process(config: dict[str, Any], timeout: float) -> dict[str, Any]:
+        assert timeout > 0
+        return json.loads(json.dumps(lamb_keras_job.measure(config)))
+
+    monkeypatch.setattr(bench, "_run_child", in_process)
+    monkeypatch.setattr(bench, "_run_keras_child", keras_in_process)
+    results = bench.run(quick=True, sizes={"tiny": (400, 4)}, threads=1, keras=True)
+    json.dumps(results)
+    (size,) = results["keras"]["sizes"]
+    torch_size = results["settings"]["default"]["sizes"][0]
+    assert size["tensors"] == 4 and size["params"] == torch_size["params"]  # the same variable set as the torch part
+    rows = {(r["name"], r["jit_compile"]) for r in size["rows"]}
+    names = (lamb_keras_job.IVYPLUG, lamb_keras_job.KERAS_LAMB, lamb_keras_job.KERAS_ADAMW)
+    assert rows == {(name, jit) for name in names for jit in (False, True)}
+    for row in size["rows"]:
+        assert row["median_ms"] > 0 and math.isfinite(row["ratio_vs_keras_lamb"])
+        if row["name"] == lamb_keras_job.KERAS_LAMB:
+            assert row["ratio_vs_keras_lamb"] == 1.0
+    target = results["keras_targets"]
+    assert set(target["ivyplug_vs_keras_lamb"]) == {"False", "True"} and isinstance(target["met"], bool)
+    table = bench.format_table(results)
+    assert "### Keras" in table and "× Keras Lamb" in table
+
+
+def test_bench_command_passes_keras_to_lamb_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from ivyplug.commands import bench as command
+
+    seen: dict[str, Any] = {}
+
+    def fake_run(quick: bool = False, keras: bool = False) -> dict[str, Any]:
+        seen.update(quick=quick, keras=keras)
+        return {}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench, "format_table", lambda results: "table")
+    parser = argparse.ArgumentParser()
+    command.configure(parser)
+    assert command.run(parser.parse_args(["lamb", "--quick", "--keras"])) == 0
+    assert seen == {"quick": True, "keras": True}
+    assert command.run(parser.parse_args(["balance", "--keras"])) == 2
 
 
 def test_bad_sizes_and_threads_raise() -> None:

@@ -2,7 +2,7 @@
 
 Each worker takes ``sync_every`` (H) local LAMB steps from the global copy it last pulled, then pushes its
 delta Δ = x_local − x_pulled; the servers merge it as it arrives, ``x ← x + merge_rate · Δ``, and the worker
-continues from the fresh global copy (local SGD / DiLoCo with an SGD outer step; BRIEF §4). LAMB suits this:
+continues from the fresh global copy (local SGD / DiLoCo with an SGD outer step). LAMB suits this:
 its layer-wise trust ratio, clipped to ``max_trust_ratio``, bounds how far one local step, and so one stale
 delta of H steps, can move a layer relative to its norm. The exchange and its rules (merge rates per mode,
 staleness scaling, non-finite deltas) are :mod:`ivyplug.ps.delta_exchange`'s.

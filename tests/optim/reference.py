@@ -1,4 +1,4 @@
-"""An independent float64 NumPy LAMB, written straight from the formulas (BRIEF §4, You et al. 2020 Alg. 2).
+"""An independent float64 NumPy LAMB, written straight from the formulas (You et al. 2020, Alg. 2).
 
 Deliberately naive: no folding of constants, no scratch buffers, one parameter at a time.
 """

@@ -504,11 +504,27 @@ def _cpu_fused_lamb(
     scale = weight_decay if fold else 1.0  # the scratch buffer holds u / scale
     kernel_lr = -1.0 / weight_decay if fold else -1.0
     vectorised = params[0].dtype in _DOT_DTYPES
+    # The common large tensor (one piece, fold, no clipping, float32/64) inline: a step costs few calls per tensor,
+    # so Python per tensor shows.
+    inline = fold and grad_scale == 1.0 and vectorised
+    dot, fused_adam = torch.dot, torch._fused_adam_
     by_size: dict[int, list[int]] = {}
     for i, x in enumerate(params):
         numel = x.numel()
         if numel < CPU_SMALL_ELEMENTS:
             by_size.setdefault(numel, []).append(i)
+        elif inline and numel <= CPU_CHUNK_ELEMENTS:
+            (u,), (u_flat,), _ = workspace.span((x,))
+            u.copy_(x)
+            param_sq = dot(u_flat, u_flat).item()  # u holds x here
+            fused_adam([u], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]], [], [kernel_steps[i]], lr=kernel_lr,
+                       beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
+                       grad_scale=None, found_inf=None)  # fmt: skip
+            r = trust_ratio(
+                math.sqrt(param_sq), scale * math.sqrt(dot(u_flat, u_flat).item()), min_trust_ratio, max_trust_ratio
+            )
+            x.add_(u, alpha=-lr * r * scale)
+            ratios[i] = r
         else:
             _big_tensor_step(
                 i, params, grads, exp_avgs, exp_avg_sqs, kernel_steps, ratios, lr=lr, weight_decay=weight_decay,

@@ -514,16 +514,16 @@ def _cpu_fused_lamb(
         if numel < CPU_SMALL_ELEMENTS:
             by_size.setdefault(numel, []).append(i)
         elif inline and numel <= CPU_CHUNK_ELEMENTS:
-            (u,), (u_flat,), _ = workspace.span((x,))
-            u.copy_(x)
-            param_sq = dot(u_flat, u_flat).item()  # u holds x here
-            fused_adam([u], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]], [], [kernel_steps[i]], lr=kernel_lr,
+            (buf,), (buf_flat,), _ = workspace.span((x,))
+            buf.copy_(x)
+            param_sq = dot(buf_flat, buf_flat).item()  # buf holds x here
+            fused_adam([buf], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]], [], [kernel_steps[i]], lr=kernel_lr,
                        beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
                        grad_scale=None, found_inf=None)  # fmt: skip
             r = trust_ratio(
-                math.sqrt(param_sq), scale * math.sqrt(dot(u_flat, u_flat).item()), min_trust_ratio, max_trust_ratio
+                math.sqrt(param_sq), scale * math.sqrt(dot(buf_flat, buf_flat).item()), min_trust_ratio, max_trust_ratio
             )
-            x.add_(u, alpha=-lr * r * scale)
+            x.add_(buf, alpha=-lr * r * scale)
             ratios[i] = r
         else:
             _big_tensor_step(

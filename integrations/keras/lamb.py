@@ -233,8 +233,12 @@ class LAMB(keras.optimizers.Optimizer):
             self._tf_update_step(grads, trainable_variables, learning_rate)
         else:
             grads, finite = self._screen_gradients(list(grads))
+            scalars: dict[str, tuple[Any, ...]] = {}
             for grad, variable in zip(grads, trainable_variables, strict=True):
-                self._lamb_update(grad, variable, learning_rate, finite)
+                dtype = keras.backend.standardize_dtype(variable.dtype)
+                if dtype not in scalars:
+                    scalars[dtype] = self._step_scalars(dtype, learning_rate)
+                self._lamb_update(grad, variable, scalars[dtype], finite)
             self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), self._skipped_steps.dtype))
 
     def _tf_update_step(self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any) -> None:
@@ -245,16 +249,20 @@ class LAMB(keras.optimizers.Optimizer):
         reduced = self._all_reduce_sum_gradients(list(zip(grads, tf_vars, strict=True)))
         dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g, _ in reduced]
         dense, finite = self._screen_gradients(dense)
+        # The step's scalars (bias corrections, learning rate) once per dtype, not once per variable.
+        dtypes = {tf.as_dtype(v.dtype).name for v in tf_vars}
+        scalars = {dtype: self._step_scalars(dtype, learning_rate) for dtype in sorted(dtypes)}
 
-        def update_one(var: Any, grad: Any, lr: Any, ok: Any) -> None:  # `update` passes the variable first
-            self._lamb_update(grad, var, lr, ok)
+        def update_one(var: Any, grad: Any, var_scalars: Any, ok: Any) -> None:  # `update` passes the variable first
+            self._lamb_update(grad, var, var_scalars, ok)
 
-        def merge_update(distribution: Any, grads_and_vars: list[Any], lr: Any, ok: Any) -> None:
+        def merge_update(distribution: Any, grads_and_vars: list[Any], scalars: Any, ok: Any) -> None:
             for grad, var in grads_and_vars:
-                distribution.extended.update(var, update_one, args=(grad, lr, ok), group=False)
+                args = (grad, scalars[tf.as_dtype(var.dtype).name], ok)
+                distribution.extended.update(var, update_one, args=args, group=False)
 
         tf.__internal__.distribute.interim.maybe_merge_call(
-            merge_update, self._distribution_strategy, list(zip(dense, tf_vars, strict=True)), learning_rate, finite
+            merge_update, self._distribution_strategy, list(zip(dense, tf_vars, strict=True)), scalars, finite
         )
         self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), self._skipped_steps.dtype))
 
@@ -262,9 +270,10 @@ class LAMB(keras.optimizers.Optimizer):
 
     def update_step(self, gradient: Any, variable: Any, learning_rate: Any) -> None:
         """One variable's step (Keras API); skipped when this gradient is not finite."""
-        self._lamb_update(gradient, variable, learning_rate, ops.all(ops.isfinite(gradient)))
+        scalars = self._step_scalars(keras.backend.standardize_dtype(variable.dtype), learning_rate)
+        self._lamb_update(gradient, variable, scalars, ops.all(ops.isfinite(gradient)))
 
-    def _lamb_update(self, gradient: Any, variable: Any, learning_rate: Any, apply: Any) -> None:
+    def _lamb_update(self, gradient: Any, variable: Any, scalars: tuple[Any, ...], apply: Any) -> None:
         """Write one variable's step if ``apply`` (a boolean tensor) holds.
 
         TensorFlow gets one branch per variable (nothing is computed or written when the step is skipped); the other
@@ -274,7 +283,7 @@ class LAMB(keras.optimizers.Optimizer):
             import tensorflow as tf
 
             def run() -> None:
-                m_new, v_new, step = self._lamb_step(gradient, variable, learning_rate)
+                m_new, v_new, step = self._lamb_step(gradient, variable, scalars)
                 self.assign(self._momentums[index], m_new)
                 self.assign(self._velocities[index], v_new)
                 self.assign_sub(variable, step)
@@ -284,29 +293,18 @@ class LAMB(keras.optimizers.Optimizer):
             return
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
-        m_new, v_new, step = self._lamb_step(gradient, variable, learning_rate)
+        m_new, v_new, step = self._lamb_step(gradient, variable, scalars)
         self.assign(m, ops.where(apply, m_new, m))
         self.assign(v, ops.where(apply, v_new, v))
         self.assign_sub(variable, ops.where(apply, step, ops.zeros_like(step)))
 
-    def _lamb_step(self, gradient: Any, variable: Any, learning_rate: Any) -> tuple[Any, Any, Any]:
-        """The new moments and the step ``η·ratio·u`` to subtract, with few full-size operations.
-
-        ``m̂/(√v̂+ε) = c·m/(√v+ε·√bc2)`` with ``c = √bc2/bc1`` turns the bias corrections into scalars, and
-        ``u = c·w`` with ``w = m/(√v+ε') + (λ/c)·x`` keeps ``c`` out of the full-size work (‖u‖ = c·‖w‖).
-        """
-        index = self._get_variable_index(variable)
-        dtype = variable.dtype
-        m = self._momentums[index]
-        v = self._velocities[index]
-        g = ops.cast(gradient, dtype)
+    def _step_scalars(self, dtype: str, learning_rate: Any) -> tuple[Any, ...]:
+        """``(η, c, ε', β1, 1−β1, β2, 1−β2, λ/c)`` in ``dtype`` for this step, with ``m̂/(√v̂+ε) = c·m/(√v+ε')``,
+        ``c = √bc2/bc1`` and ``ε' = ε·√bc2`` (bias correction counts applied steps: skipped ones do not count)."""
         lr = ops.cast(learning_rate, dtype)
         b1 = _constant(self.beta_1, dtype)
         b2 = _constant(self.beta_2, dtype)
         eps = _constant(self.epsilon, dtype)
-
-        m_new = m * b1 + g * (1 - b1)
-        v_new = v * b2 + ops.square(g) * (1 - b2)
         if self.bias_correction:
             step = ops.cast(self.iterations + 1 - ops.cast(self._skipped_steps, self.iterations.dtype), dtype)
             bc2_sqrt = ops.sqrt(1 - ops.power(b2, step))
@@ -314,9 +312,27 @@ class LAMB(keras.optimizers.Optimizer):
             eps = eps * bc2_sqrt
         else:
             c = _constant(1.0, dtype)
+        decay_over_c = _constant(self.lamb_weight_decay, dtype) / c
+        return lr, c, eps, b1, 1 - b1, b2, 1 - b2, decay_over_c
+
+    def _lamb_step(self, gradient: Any, variable: Any, scalars: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+        """The new moments and the step ``η·ratio·u`` to subtract, with few full-size operations.
+
+        The bias corrections are scalars (:meth:`_step_scalars`), and ``u = c·w`` with ``w = m/(√v+ε') + (λ/c)·x``
+        keeps ``c`` out of the full-size work (‖u‖ = c·‖w‖).
+        """
+        index = self._get_variable_index(variable)
+        dtype = variable.dtype
+        m = self._momentums[index]
+        v = self._velocities[index]
+        g = ops.cast(gradient, dtype)
+        lr, c, eps, b1, one_minus_b1, b2, one_minus_b2, decay_over_c = scalars
+
+        m_new = m * b1 + g * one_minus_b1
+        v_new = v * b2 + ops.square(g) * one_minus_b2
         w = m_new / (ops.sqrt(v_new) + eps)
         if self._decay_flags[index]:
-            w = w + variable * (_constant(self.lamb_weight_decay, dtype) / c)
+            w = w + variable * decay_over_c
         scale = lr * c
         if self._adapt_flags[index]:
             x_norm = ops.sqrt(_sum_of_squares(variable))

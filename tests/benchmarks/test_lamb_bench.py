@@ -51,6 +51,9 @@ def test_quick_run_reports_every_contender_for_both_allocators(monkeypatch: pyte
             assert rows[name]["median_ms"] > 0 and math.isfinite(rows[name]["ratio_vs_floor"])
         for name in ("torch-optimizer Lamb", "timm Lamb"):
             assert name in rows and (rows[name]["status"] == "ok") == ("median_ms" in rows[name])
+        breakdown = child["pass_breakdown"]
+        assert set(breakdown["ns_per_element"]) == {*bench.PASSES, "AdamW fused=True"}
+        assert breakdown["size"] == "tiny" and breakdown["passes_vs_fused_adamw"] > 0
     targets = results["targets"]
     assert set(targets["per_setting"]) == {"default", "glibc_raised"}
     for per in targets["per_setting"].values():
@@ -58,6 +61,7 @@ def test_quick_run_reports_every_contender_for_both_allocators(monkeypatch: pyte
     assert "keras" not in results
     table = bench.format_table(results)
     assert "| optimizer |" in table and "glibc_raised" in table and "targets at tiny (default)" in table
+    assert "passes of the CPU kernel" in table
     assert BENCHMARKS["lamb"] == "ivyplug.benchmarks.lamb"
 
 

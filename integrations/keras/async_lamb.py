@@ -2,8 +2,7 @@
 
 The twin of :class:`ivyplug.optim.AsyncLAMB`: each worker takes ``sync_every`` local LAMB steps from the
 global copy it last pulled, pushes its delta, and the servers merge it (:mod:`ivyplug.ps.delta_exchange`:
-``x ← x + merge_rate · Δ``; by default merge_rate 1, divided in async/ssp by τ + 1 for a delta made τ merges
-after its pull).
+``x ← x + merge_rate · Δ``, merge_rate 1 in sync mode and 1/num_workers in async/ssp by default).
 
 Keras runs the optimizer inside a compiled train step, so the exchange — Python, torch.distributed — runs in
 :class:`AsyncLAMBExchange`, a callback that ``fit`` calls between steps. The workers are separate Keras
@@ -37,8 +36,7 @@ class AsyncLAMB(LAMB):
     """LAMB (Keras) whose workers average their progress through the PS every ``sync_every`` steps.
 
     Args: :class:`~ivyplug.integrations.keras.LAMB`'s, plus ``sync_every`` (local steps between two
-    exchanges, >= 1) and ``merge_rate`` (``None``: 1.0; in async/ssp the staleness rule divides it by
-    τ + 1, or 1/num_workers with ``staleness_scaling="none"``).
+    exchanges, >= 1) and ``merge_rate`` (``None``: 1.0 in sync mode, 1/num_workers in async/ssp).
     The exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
 
     Example:
@@ -140,7 +138,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._tensors = [torch.tensor(np.asarray(v.numpy(), dtype=np.float32)) for v in self._variables]
         named = [(f"{i}:{v.path}", t) for i, (v, t) in enumerate(zip(self._variables, self._tensors, strict=True))]
         self._delta = DeltaExchange(self._tensors[: len(params)], optimizer.merge_rate)
-        outer = self._delta.outer_optimizer(self.config.mode, world, self.config.staleness_scaling)
+        outer = self._delta.outer_optimizer(self.config.mode, world)
         self.client = PSClient.start(self.config, named[: len(params)], named[len(params) :], optimizer=outer)
         self.client.pull_initial()  # every worker starts from the servers' copy (worker 0's)
         self._write_back()

@@ -268,11 +268,7 @@ class IvyPSStrategy(DDPStrategy):
         # local updates (AsyncLAMB): the worker steps and pushes deltas itself; the servers run its outer optimizer
         local = optimizer if isinstance(optimizer, LocalUpdates) else None
         self._local_updates = local
-        served = (
-            optimizer
-            if local is None
-            else local.outer_optimizer(self.mode, self.world_size, self.ps_config.staleness_scaling)
-        )
+        served = optimizer if local is None else local.outer_optimizer(self.mode, self.world_size)
         self._client = PSClient.start(
             self.ps_config,
             params=list(module.named_parameters()),

@@ -30,9 +30,8 @@ class AsyncLAMB(LAMB):
 
     Args: LAMB's (see :class:`~ivyplug.optim.LAMB`), plus
         sync_every: local steps between two exchanges with the PS (H >= 1; H = 1 pushes after every step).
-        merge_rate: how much of a pushed delta the servers apply; ``None``: 1.0, which in async/ssp the
-            staleness rule divides by τ + 1 (about the number of workers); 1/num_workers in async/ssp with
-            ``staleness_scaling="none"`` (see :mod:`ivyplug.ps.delta_exchange`).
+        merge_rate: how much of a pushed delta the servers apply; ``None``: 1.0 in sync mode, 1/num_workers
+            in async/ssp (see :mod:`ivyplug.ps.delta_exchange`).
 
     Example:
         >>> import torch
@@ -105,9 +104,9 @@ class AsyncLAMB(LAMB):
         return self.delta.client is not None
 
     # -- wiring to a PS ---------------------------------------------------------------------------
-    def outer_optimizer(self, mode: str, num_workers: int, staleness_scaling: str = "inverse") -> torch.optim.SGD:
+    def outer_optimizer(self, mode: str, num_workers: int) -> torch.optim.SGD:
         """The optimizer the servers mirror: pass it as ``optimizer=`` to ``PSClient.start``, then attach."""
-        return self.delta.outer_optimizer(mode, num_workers, staleness_scaling)
+        return self.delta.outer_optimizer(mode, num_workers)
 
     def attach(self, client: PSClient) -> None:
         """Exchange through ``client`` from now on; call after ``client.pull_initial()`` (or any pull)."""
@@ -128,7 +127,7 @@ class AsyncLAMB(LAMB):
             import torch.distributed as dist
 
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        outer = self.outer_optimizer(cfg.mode, int(world), cfg.staleness_scaling)
+        outer = self.outer_optimizer(cfg.mode, int(world))
         client = PSClient.start(cfg, params, buffers, optimizer=outer, **start_kwargs)
         client.pull_initial()
         self.attach(client)

@@ -196,9 +196,11 @@ class PSClient:
         self._collect(pending)
         self.m.pulls += 1
 
-    def step(self, num_samples: int, max_grad_norm: float | None = None) -> None:
+    def step(self, num_samples: int, max_grad_norm: float | None = None, *, delta: bool = False) -> None:
         """Push this worker's gradients (+ buffers, hyperparameters), wait as the mode says, pull.
 
+        ``delta=True``: the ``.grad`` fields hold a local-update pseudo-gradient (delta_exchange.py), which
+        the servers scale for staleness by their delta rule (``ivyplug.ps.shard.staleness_factor``).
         ``num_samples`` weights this worker's gradient in sync mode (uneven batches stay unbiased).
         ``max_grad_norm``: sync clips by the global norm of the combined gradient (computed by the servers);
         async/ssp clip each push by its own global norm here, before pushing.
@@ -216,7 +218,7 @@ class PSClient:
                 clip = float(torch.clamp(max_grad_norm / (total + 1e-6), max=1.0))
         sync_clip = float(max_grad_norm) if (max_grad_norm is not None and self.cfg.mode == "sync") else -1.0
         packed = {s: self.layout.pack(s, clip) for s in self.topo.endpoints}
-        flags = self._check_push(packed)
+        flags = self._check_push(packed) | (PushFlag.DELTA if delta else 0)
         has_grad = encode_mask([p.grad is not None for _, p in self.params])
         prefix = torch.tensor([sync_clip, float(num_samples), float(flags), *has_grad], dtype=torch.float64)
         hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])

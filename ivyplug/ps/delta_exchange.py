@@ -4,17 +4,17 @@ The merge runs on the existing PS machinery: the servers mirror an *outer* optim
 ``lr = merge_rate``, and the worker pushes the pseudo-gradient x_pulled − x_local (= −Δ), so the servers
 apply ``x ← x + merge_rate · Δ``. Every PS rule then holds unchanged: sync mode combines the workers' deltas
 weighted by their local step counts before one merge; async/ssp merge each delta on arrival, with the
-outer rate divided by τ + 1 for a delta made τ merges after its pull (``staleness_scaling="inverse"``);
+outer rate divided by τ for a delta made τ ≥ 2 merges after its pull (``staleness_scaling="inverse"``: the
+merge rate already averages over the other workers' deltas of a round, see ``shard.staleness_factor``);
 buffers follow the PS buffer rule at every exchange; a non-finite delta follows the PS's ``nonfinite``
 policy like any push.
 
-``merge_rate=None`` picks 1.0: in sync mode the global copy moves by the mean delta; in async/ssp the
-staleness rule divides the rate by τ + 1, about num_workers when the workers take turns, so once every worker
-pushed the global copy moved by about the mean of their deltas (a lone worker's fresh delta is applied
-whole). With ``staleness_scaling="none"`` it picks 1/num_workers in async/ssp instead. A delta with a
+``merge_rate=None`` picks 1.0 in sync mode (the global copy moves by the mean delta) and 1/num_workers in
+async/ssp (once every worker pushed, the global copy moved by the mean of their deltas). A delta with a
 NaN/Inf is dropped whole by the PS (``nonfinite="skip"``, counted in ``discarded``; in sync mode it counts
 zero local steps) or stops training (``"raise"``); either way nothing non-finite reaches the servers, and
-after a drop the worker restarts from the global copy. Used by ``ivyplug.optim.AsyncLAMB`` and the Keras ``AsyncLAMB``.
+after a drop the worker restarts from the global copy. Used by ``ivyplug.optim.AsyncLAMB`` and the Keras
+``AsyncLAMB``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class DeltaExchange:
         self.exchanges = 0
         self.discarded = 0
 
-    def outer_optimizer(self, mode: str, num_workers: int, staleness_scaling: str = "inverse") -> torch.optim.SGD:
+    def outer_optimizer(self, mode: str, num_workers: int) -> torch.optim.SGD:
         """The optimizer the servers mirror (pass it as ``optimizer=`` to ``PSClient.start``)."""
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
@@ -66,7 +66,7 @@ class DeltaExchange:
             raise ValueError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
         rate = self.merge_rate
         if rate is None:
-            rate = 1.0 if mode == "sync" or staleness_scaling == "inverse" else 1.0 / num_workers
+            rate = 1.0 if mode == "sync" else 1.0 / num_workers
         self.outer = torch.optim.SGD(self.params, lr=rate)
         return self.outer
 
@@ -93,7 +93,7 @@ class DeltaExchange:
         try:
             for p, g in zip(self.params, pseudo, strict=True):
                 p.grad = g
-            client.step(max(1, int(local_steps)))  # the PS checks the whole push (nonfinite policy)
+            client.step(max(1, int(local_steps)), delta=True)  # the PS checks the whole push (nonfinite policy)
             if client.metrics()["nonfinite_skipped"] > skipped:
                 self.discarded += 1
         finally:

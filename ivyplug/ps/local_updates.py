@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class LocalUpdates(Protocol):
-    def outer_optimizer(self, mode: str, num_workers: int, staleness_scaling: str = "inverse") -> Any:
+    def outer_optimizer(self, mode: str, num_workers: int) -> Any:
         """The optimizer the servers mirror (pass it to ``PSClient.start``)."""
 
     def attach(self, client: PSClient) -> None:

@@ -21,6 +21,7 @@ class PushFlag:
     """Bits of the ``push flags`` entry of the hyper vector."""
 
     NONFINITE = 1  # the worker found a NaN/Inf in its push: every shard drops all of it
+    DELTA = 2  # a local-update delta (delta_exchange.py), not a gradient: its own staleness rule
 
 
 def mask_words(num_params: int) -> int:

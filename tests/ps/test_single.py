@@ -317,3 +317,33 @@ def test_integer_buffers_travel_as_exact_int64() -> None:
     assert model.num_batches_tracked.dtype == torch.int64
     assert int(model.num_batches_tracked) == 2**40 + 2
     client.close()
+
+
+def test_delta_pushes_are_scaled_only_beyond_one_round_of_staleness() -> None:
+    """A local-update delta is averaged by its merge rate already: tau = 1 leaves it whole, tau = 3 divides by 3.
+
+    Control: the same pushes flagged as gradients are divided by tau + 1.
+    """
+    from ivyplug.ps.mirror import OptimizerSpec
+    from ivyplug.ps.push import PushFlag
+    from ivyplug.ps.shard import Shard, staleness_factor
+    from ivyplug.ps.sharding import TensorSpec, build_plan
+
+    assert [staleness_factor(t, True, "inverse") for t in (0, 1, 2, 3)] == [1.0, 1.0, 0.5, 1 / 3]
+    assert [staleness_factor(t, False, "inverse") for t in (0, 1, 3)] == [1.0, 0.5, 0.25]
+    assert staleness_factor(5, True, "none") == staleness_factor(5, False, "none") == 1.0
+    p = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=1.0)
+    spec = OptimizerSpec.from_optimizer(opt, [p])
+    plan = build_plan([TensorSpec("p", (4,))], 1)
+    for flags, want in ((PushFlag.DELTA, [-1.0, -1.0 / 3.0]), (0, [-0.5, -0.25])):
+        moves = []
+        for tau in (1, 3):
+            srv = Shard(0, plan, PSConfig(mode="async"), 2, spec, torch.zeros(4))
+            srv.pull(1).result(1)
+            for _ in range(tau):
+                srv.push_pull(0, torch.zeros(4), _hyper(spec, opt)).result(1)
+            before = srv.masters[0].detach().clone()
+            assert srv.push_pull(1, torch.ones(4), _hyper(spec, opt, flags=flags)).result(1).staleness == tau
+            moves.append(float((srv.masters[0].detach() - before)[0]))
+        torch.testing.assert_close(torch.tensor(moves), torch.tensor(want), rtol=1e-6, atol=1e-7)

@@ -135,9 +135,10 @@ def record_exchanges() -> None:
             }
             step, push = client.step, server._push
 
-            def recording_step(num_samples: int, max_grad_norm: float | None = None) -> None:
+            def recording_step(num_samples: int, max_grad_norm: float | None = None, *, delta: bool = False) -> None:
+                assert delta  # an exchange pushes a delta (the servers' delta staleness rule)
                 pushed = [p.grad.detach().numpy().copy() for p in params]
-                step(num_samples, max_grad_norm)
+                step(num_samples, max_grad_norm, delta=delta)
                 self.record["pushes"].append((num_samples, pushed))
                 self.record["pulls"].append([p.detach().numpy().copy() for p in params])
 
@@ -168,8 +169,8 @@ def _rows(pieces: list[tuple[int, str, int, int]], shape_of: list[tuple[int, ...
 
 
 def staleness_scale(tau: int) -> float:
-    """``staleness_scaling="inverse"``: a push of staleness tau steps with lr / (tau + 1) (ivyplug/ps/shard.py)."""
-    return 1.0 / (tau + 1)
+    """``staleness_scaling="inverse"`` for a delta: the rate divided by tau once tau >= 2 (ivyplug/ps/shard.py)."""
+    return 1.0 / tau if tau >= 2 else 1.0
 
 
 def replay_merges(
@@ -185,8 +186,7 @@ def replay_merges(
     (ivyplug/ps/delta_exchange.py, ivyplug/ps/shard.py):
     - sync: step k merges the weighted mean of the workers' k-th deltas, x += rate * sum(n_w d_w) / sum(n_w),
       with n_w the local steps a worker reports (merge_rate None -> rate 1); every reply is x after step k.
-    - async: each delta merges on arrival, x += rate * d (merge_rate None -> rate 1, or 1/num_workers with
-      staleness scaling "none"), times
+    - async: each delta merges on arrival, x += rate * d (merge_rate None -> rate 1/num_workers), times
       :func:`staleness_scale` of its staleness tau. The rule is linear in the deltas, but their weights depend
       on the arrival order through the taus: only with scaling "none" is the result x0 + rate * (sum of all
       deltas), whatever the order. So each shard (its row blocks) is replayed in the order its pushes
@@ -195,8 +195,7 @@ def replay_merges(
     check must reject them).
     """
     world = len(records)
-    inverse_scaling = records[0]["staleness_scaling"] == "inverse"
-    rate = (1.0 if mode == "sync" or inverse_scaling else 1.0 / world) * rate_factor
+    rate = (1.0 if mode == "sync" else 1.0 / world) * rate_factor
     x0 = [a.astype(np.float64) for a in records[0]["initial"]]
     shapes = [a.shape for a in x0]
     deltas = [[[-g.astype(np.float64) for g in pushed] for _, pushed in r["pushes"]] for r in records]
@@ -281,7 +280,7 @@ def test_two_keras_workers_merge_their_deltas_as_the_server_rule_says(tmp_path: 
     assert [len(r["pushes"]) for r in records] == [30, 30]
     assert [n for r in records for n, _ in r["pushes"]] == ([4] * 5 + [3]) * 5 * 2  # local steps per push
     assert sorted(r["shard"] for r in records) == [0, 1]
-    assert records[0]["merge_rate"] == pytest.approx(1.0)  # the default; async divides by tau + 1 per delta
+    assert records[0]["merge_rate"] == pytest.approx(1.0 if mode == "sync" else 0.5)
     for r in records:  # every push reached this shard once, each worker's in its order (30 each)
         assert sorted(w for w, _ in r["arrivals"]) == [0] * 30 + [1] * 30
     if mode == "async":  # the staleness the server gave a push is at most the other's pushes since our last

@@ -1,6 +1,6 @@
 """``ivyplug bench balance``: IvyLoadBalancer's per-rank shares against a 3x slower worker, and its overhead.
 
-Side by side in one run (BRIEF §7): ``ddp`` and ``ivy_ps`` sync, each without and with IvyLoadBalancer,
+Side by side in one run: ``ddp`` and ``ivy_ps`` sync, each without and with IvyLoadBalancer,
 without and with a slow worker (rank 1 is a device 3x slower at compute: it sleeps 2 x 3 x its measured
 forward time per step). Compute-bound setting: the digits MLP 64-1024-1024-10, batch 256 per worker, the
 training set repeated 16x; batch-size policy pinned so only the shares move and epoch times compare.

@@ -2,7 +2,7 @@
 
 ``python -m ivyplug.benchmarks.balance_job --strategy ddp --balancer 1 --slowdown 3 --epochs 4 --repeat 16
 --out result.json``. Rank 0 writes the epoch wall times, the callback's hook time, the per-epoch shares and the
-validation accuracy. The slow worker is BRIEF §7's delay injector: rank 1 sleeps (k-1) x 3 x its measured
+validation accuracy. The slow worker is the documented delay injector: rank 1 sleeps (k-1) x 3 x its measured
 forward time every step (a device k times slower at compute; forward + backward ~ 3 x forward), so a smaller
 share also means a shorter sleep.
 """

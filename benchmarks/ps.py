@@ -1,12 +1,12 @@
 """``ivyplug bench ps``: the parameter server against DDP, with and without a 3x slower worker.
 
 Side by side in one run, each configuration twice in interleaved rounds (a single 4-epoch run moves by 10-20%
-on a quiet machine), 2 workers on this machine's CPU cores (BRIEF §7): ``ddp``, ``ivy_ps_sync`` and
+on a quiet machine), 2 workers on this machine's CPU cores: ``ddp``, ``ivy_ps_sync`` and
 ``ivy_ps`` (async), each without a slow worker and with rank 1 simulated as a device 3x slower at compute (it
 sleeps (k-1) x 3 x its measured forward time every step). Compute-bound setting: the digits MLP 64-1024-1024-10
 at batch 256 per worker on the training set repeated 16x. Epoch time is the median over the epochs after the
 first (train time up to validation, which includes the wait for the slowest worker). Reported: epoch time,
-samples/s, validation accuracy, bytes each configuration moves per epoch. Targets (issue #4): without a slow
+samples/s, validation accuracy, bytes each configuration moves per epoch. Targets: without a slow
 worker sync and async reach >= 0.85x DDP's throughput; with the slow worker async's epoch time is <= 0.65x
 DDP's (0.5x is the overhead-free limit) at validation accuracy within 1 point of DDP's.
 

@@ -3,7 +3,7 @@
 ``python -m ivyplug.benchmarks.ps_job --strategy ivy_ps --slowdown 3 --epochs 4 --repeat 16 --out r.json``.
 Rank 0 writes the train-epoch wall times (epoch start to the start of validation, so the wait for the
 slowest worker at the epoch's end is included), the validation accuracy and the PS byte counters. The slow
-worker is BRIEF §7's delay injector: rank 1 sleeps (k-1) x 3 x its measured forward time every step (a device
+worker is the documented delay injector: rank 1 sleeps (k-1) x 3 x its measured forward time every step (a device
 k times slower at compute; forward + backward ~ 3 x forward), not (k-1) x the whole step.
 """
 

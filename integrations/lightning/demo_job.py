@@ -5,7 +5,7 @@
 rank by ``ivyplug demo`` (Lightning then launches nothing itself, as under torchrun). Both workers import
 Lightning once for all runs: on a loaded 2-core machine an import costs tens of seconds. Each run gets a fresh
 process group on its own port. The model, data and slow worker are those of ``ivyplug bench ps``
-(:mod:`ivyplug.benchmarks.ps_job`): the digits MLP 64-1024-1024-10 at batch 256 per worker, and BRIEF §7's
+(:mod:`ivyplug.benchmarks.ps_job`): the digits MLP 64-1024-1024-10 at batch 256 per worker, and the documented
 delay injector (rank 1 sleeps (k-1) x 3 x its measured forward time every step). Only the optimizer, the
 strategy and the callbacks change from run to run (:data:`RUNS`).
 

@@ -4,7 +4,7 @@ Two CPU worker processes train the digits MLP of ``ivyplug bench ps`` (64-1024-1
 sklearn's bundled digits: nothing is downloaded) in three runs, one after the other
 (:data:`ivyplug.integrations.lightning.demo_job.RUNS`): ``ddp`` + AdamW, ``ivy_ps`` sync + ivyplug's LAMB +
 ``IvyLoadBalancer``, and ``ivy_ps`` async + LAMB. In every run rank 1 is a device ``--slowdown`` times slower at
-compute (BRIEF §7's delay injector, the one ``ivyplug bench ps`` uses). Both workers are started once, with
+compute (the documented delay injector, the one ``ivyplug bench ps`` uses). Both workers are started once, with
 ``LOCAL_RANK`` set as torchrun would, and train all runs: importing Lightning twice per run would cost more
 than training on a busy 2-core machine.
 

@@ -45,8 +45,8 @@ __all__ = [
     "trust_ratio",
 ]
 
-#: Elements per block of small tensors, and per piece of a large one, in the CPU kernel: a piece's buffers (param,
-#: grad, both moments, scratch) stay in cache between its passes.
+#: Elements per block of small tensors, and per piece of a larger tensor, in the CPU kernel: a piece's passes run
+#: back to back over at most this much of each buffer (param, grad, both moments, scratch).
 CPU_CHUNK_ELEMENTS = 1 << 19
 #: Tensors below this size run in multi-tensor blocks on CPU (ATen runs them on one thread anyway, so a call per
 #: tensor and pass would be all overhead); larger ones run alone, in pieces.
@@ -426,7 +426,7 @@ def _cpu_fused_lamb(
     grad_scale: float,
     workspace: Workspace,
 ) -> list[float | Tensor]:
-    """The CPU multi-tensor kernel: every tensor's passes run while it is in cache, with few calls per tensor.
+    """The CPU multi-tensor kernel: one large tensor at a time, small ones in blocks, few calls per tensor.
 
     * A tensor of at least :data:`CPU_SMALL_ELEMENTS` runs alone, in pieces of at most :data:`CPU_CHUNK_ELEMENTS`:
       per piece, copy ``x`` into the scratch buffer, take ``‖x‖²`` from it, let torch's fused Adam kernel update

@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "ivyplug.commands.bench",
     "ivyplug.commands.devices",
     "ivyplug.commands.demo",
+    "ivyplug.commands.env",
 )
 
 

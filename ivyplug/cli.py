@@ -21,6 +21,7 @@ COMMANDS: tuple[str, ...] = (
     "ivyplug.commands.devices",
     "ivyplug.commands.demo",
     "ivyplug.commands.env",
+    "ivyplug.commands.serve",
 )
 
 

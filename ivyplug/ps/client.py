@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import checkpoint, topology
+from ivyplug.ps import checkpoint, service_link, topology
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.endpoints import PendingReply, WireStats
 from ivyplug.ps.layout import FlatLayout
@@ -129,7 +129,8 @@ class PSClient:
                 )
         specs = [TensorSpec(n, tuple(p.shape), "param", True) for n, p in named_params]
         specs += [TensorSpec(n, tuple(b.shape), "buffer", b.is_floating_point()) for n, b in named_buffers]
-        num_shards = cfg.num_servers if cfg.num_servers > 0 else world_size
+        link = service_link.connect(cfg) if cfg.servers is not None else None
+        num_shards = link.num_shards if link is not None else (cfg.num_servers if cfg.num_servers > 0 else world_size)
         if cfg.max_shard_bytes == "auto":  # resolved here, so dedicated servers receive a plain number
             cfg = replace(cfg, max_shard_bytes=auto_max_shard_bytes(specs, num_shards, is_elementwise(self.spec.cls)))
             self.cfg = cfg
@@ -137,10 +138,17 @@ class PSClient:
         self.layout = FlatLayout(self.plan, named_params, named_buffers)
         self.workers = WorkerGroup(rank, world_size, cfg.timeout)
         self._check_same_model()
-        build = topology.dedicated if cfg.num_servers > 0 else topology.colocated
-        self.topo = build(
-            cfg, self.plan, self.spec, self.layout, rank, world_size, self.workers, self.stop, self.m.wire
-        )
+        args = (cfg, self.plan, self.spec, self.layout, rank, world_size, self.workers, self.stop, self.m.wire)
+        if link is not None:
+            try:
+                self.topo = topology.external(*args, link)
+            except BaseException:
+                service_link.close(link)
+                raise
+        elif cfg.num_servers > 0:
+            self.topo = topology.dedicated(*args)
+        else:
+            self.topo = topology.colocated(*args)
         return self
 
     @property
@@ -153,7 +161,14 @@ class PSClient:
 
     @property
     def dedicated(self) -> bool:
-        return self.cfg.num_servers > 0
+        """Whether the shards live outside the workers (``num_servers=k`` or an ``ivyplug serve``)."""
+        return self.cfg.num_servers > 0 or self.cfg.servers is not None
+
+    @property
+    def num_workers(self) -> int:
+        """Worker slots of the servers: the job's size, or an ``ivyplug serve``'s ``--workers``."""
+        link = self.topo.link
+        return link.num_workers if link is not None else self.world_size
 
     @property
     def server(self) -> Shard | None:
@@ -284,6 +299,9 @@ class PSClient:
         self.m.batches += reserved
         if self.topo.queue is not None:
             self.topo.queue.reset(epoch, num_batches)
+        elif self.topo.link is not None and self.rank == 0:  # the batch queue of an ivyplug serve
+            assert self.topo.queue_endpoint is not None
+            self.topo.queue_endpoint.request(Kind.EPOCH, arg0=epoch, arg1=num_batches).header(self.cfg.timeout)
         self.epoch = epoch
         self.workers.barrier(f"every worker to start epoch {epoch}")
 
@@ -316,7 +334,8 @@ class PSClient:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
-        return checkpoint.job_meta(self.cfg.mode, self.cfg.num_servers, self.world_size, self.plan)
+        servers = self.plan.num_shards if self.cfg.servers is not None else self.cfg.num_servers
+        return checkpoint.job_meta(self.cfg.mode, servers, self.num_workers, self.plan)
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: every shard's params, buffers, optimizer state, version and clocks (on every rank)."""

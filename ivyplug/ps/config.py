@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MODES: tuple[str, ...] = ("sync", "async", "ssp")
@@ -25,9 +25,10 @@ class PSConfig:
     (default) drops that worker's whole push on every shard, ``"raise"`` stops with an error naming the
     rank, the step and the first non-finite tensor. ``timeout`` bounds every wait on the PS, in seconds.
     ``num_servers=0`` co-locates one shard with each worker; ``k > 0`` runs k dedicated CPU server
-    processes. ``max_shard_bytes`` splits larger tensors row-wise; ``"auto"`` (default) splits only where
-    the optimizer's update is element-wise, so that shards balance (sharding.py), ``None`` keeps whole
-    tensors.
+    processes; ``servers="host:port"`` joins the shards an ``ivyplug serve`` runs there (``token``: the
+    shared secret it was started with; never logged or saved). ``max_shard_bytes`` splits larger tensors
+    row-wise; ``"auto"`` (default) splits only where the optimizer's update is element-wise, so that shards
+    balance (sharding.py), ``None`` keeps whole tensors.
     """
 
     mode: str = "async"
@@ -37,6 +38,8 @@ class PSConfig:
     num_servers: int = 0
     max_shard_bytes: int | str | None = "auto"
     nonfinite: str = "skip"
+    servers: str | None = None
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,6 +82,16 @@ class PSConfig:
                 f"PSConfig.max_shard_bytes must be 'auto', None or an int > 0, got {self.max_shard_bytes!r}"
             )
 
+        if self.servers is not None:
+            parse_address(self.servers, "PSConfig.servers")
+            if self.num_servers:
+                raise ValueError(
+                    f"PSConfig: servers={self.servers!r} joins an ivyplug serve; num_servers={self.num_servers} "
+                    "would start servers of the job's own: set one of them"
+                )
+        if self.token is not None and not isinstance(self.token, str):
+            raise ValueError(f"PSConfig.token must be a string or None, got {type(self.token).__name__}")
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> PSConfig:
         """Build from keyword arguments, refusing unknown names with the list of known ones."""
@@ -89,5 +102,18 @@ class PSConfig:
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict (for logging and hyperparameter saving)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain dict (for logging and hyperparameter saving); the token shows only whether one is set."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["token"] = None if self.token is None else "<set>"
+        return out
+
+
+def parse_address(value: object, what: str) -> tuple[str, int]:
+    """``"host:port"`` as (host, port); ValueError naming ``what`` otherwise (IPv6 hosts in brackets)."""
+    if not isinstance(value, str) or ":" not in value:
+        raise ValueError(f"{what} must be 'host:port' (e.g. '127.0.0.1:29600'), got {value!r}")
+    host, _, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be 'host:port' with a port in 1..65535, got {value!r}")
+    return host, int(port)

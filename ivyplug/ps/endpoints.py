@@ -24,6 +24,14 @@ from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError
 
 
+class PSServerError(PSProtocolError):
+    """A server answered a request with an error; ``text`` is what it said."""
+
+    def __init__(self, message: str, text: str) -> None:
+        super().__init__(message)
+        self.text = text
+
+
 class PendingReply(Protocol):
     def result(self, timeout: float) -> Reply: ...
 
@@ -106,6 +114,10 @@ class _WireReply:
     def header(self, timeout: float) -> Header:
         return self._endpoint.finish(self._hbuf, self._works, self._what, timeout)
 
+    def payload(self, timeout: float) -> tuple[Header, torch.Tensor | None]:
+        """The reply's header and fp32 payload (for requests whose payload is not a shard snapshot)."""
+        return self.header(timeout), self._out
+
     def result(self, timeout: float) -> Reply:
         h = self.header(timeout)
         assert self._out is not None
@@ -141,7 +153,7 @@ class WireEndpoint:
             out: torch.Tensor | None = self._reply_buf
         else:
             out = torch.empty(reply_numel, dtype=torch.float32) if reply_numel else None
-        hbuf, works = self.channel.post_reply(self.dst, out)
+        hbuf, works = self.channel.post_reply(self.dst, out, self.shard + 1)
         h = Header(kind=kind, sender=self.channel.rank, shard=self.shard, seq=self._seq, **args)
         self._stats.bytes_sent += self.channel.send(self.dst, h, data, hyper, wait=False)
         return _WireReply(self, hbuf, works, out, what or f"a kind-{kind} request for shard {self.shard}")
@@ -152,10 +164,11 @@ class WireEndpoint:
         self._stats.wait_seconds += time.monotonic() - t0
         if h.status != Status.OK:
             try:
-                text = self.channel.recv_error_text(self.dst, h.arg3)
+                text = self.channel.recv_error_text(self.dst, h.arg3, self.shard + 1)
             except (PSProtocolError, PSTimeoutError) as exc:
                 text = f"(its error text could not be received: {exc})"
-            raise PSProtocolError(f"PS server on rank {self.dst} failed while answering {what}: {text or 'no details'}")
+            text = text or "no details"
+            raise PSServerError(f"PS server on rank {self.dst} failed while answering {what}: {text}", text)
         if h.flags & Flag.STOP:
             self._stats.remote_stop = True
         self._stats.bytes_received += 128 + 4 * h.numel
@@ -183,9 +196,8 @@ class WireEndpoint:
     def state(self) -> bytes:
         timeout = self.channel.timeout
         nbytes = self.request(Kind.STATE_SIZE).header(timeout).arg0
-        fetch = self.request(Kind.STATE_FETCH, reply_numel=(nbytes + 3) // 4)
-        fetch.header(timeout)
-        return words_to_bytes(fetch._out, nbytes) if fetch._out is not None else b""
+        _, words = self.request(Kind.STATE_FETCH, reply_numel=(nbytes + 3) // 4).payload(timeout)
+        return words_to_bytes(words, nbytes) if words is not None else b""
 
     def load(self, state: dict[str, Any]) -> None:
         blob = typed_state.encode(state)

@@ -41,6 +41,10 @@ class Kind:
     STATE_SIZE = 8  # dedicated server: serialise the shard's state, reply arg0 = its length in bytes
     STATE_FETCH = 9  # dedicated server: reply with that state (bytes padded to fp32 words)
     LOAD = 10  # dedicated server: payload = a state (bytes in fp32 words, arg0 = length); reply when loaded
+    JOIN = 11  # ivyplug serve: payload = job description and initial values (typed encoding, arg0 = length),
+    #            arg1 = the slot asked for (-1: any), arg2 = the job's worker count; reply arg0 = the slot given,
+    #            arg1 = 1 if the job was created from this worker's values, arg2 = the servers' worker slots
+    EPOCH = 12  # ivyplug serve: refill the batch queue (arg0 = epoch, arg1 = batches); reply when done
     REPLY = 16
 
 

@@ -12,47 +12,77 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.messages import MAX_ERROR_TEXT, Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
-from ivyplug.ps.transport import Channel
+from ivyplug.ps.transport import Channel, PSProtocolError
 
-_WANTS_REPLY = (Kind.PUSH_PULL, Kind.PULL, Kind.NEXT_BATCH, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
-_NEEDS_SHARD = (Kind.PUSH_PULL, Kind.PULL, Kind.NORM, Kind.IDLE, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
+_WANTS_REPLY = (
+    Kind.PUSH_PULL,
+    Kind.PULL,
+    Kind.NEXT_BATCH,
+    Kind.STATE_SIZE,
+    Kind.STATE_FETCH,
+    Kind.LOAD,
+    Kind.EPOCH,
+)
+_NEEDS_SHARD = (Kind.PUSH_PULL, Kind.PULL, Kind.NORM, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
+#: largest state or description blob a member may announce (a LOAD carries one shard's state)
+MAX_BLOB_BYTES = 1 << 34
+
+
+class Traffic(Protocol):
+    """Counts a server's traffic (``ivyplug serve``'s status line)."""
+
+    def count(self, pushes: int, bytes_in: int, bytes_out: int) -> None: ...
 
 
 class ServerLoop(threading.Thread):
-    """Background thread serving one rank's shard (and, on rank 0, the batch queue) to its peers."""
+    """Background thread serving shards (and, on rank 0, the batch queue) to the peers of one channel."""
 
     def __init__(
         self,
         channel: Channel,
-        shard: Shard | None,
+        shards: Shard | Mapping[int, Shard] | None,
         queue: BatchQueue | None,
         expect_bye: set[int],
         stop: threading.Event,
         workers: set[int] | None = None,
         on_workers_done: Callable[[], None] | None = None,
+        member: int | None = None,
+        traffic: Traffic | None = None,
     ) -> None:
         """``expect_bye``: ranks whose BYE ends the loop; ``on_workers_done`` runs once every rank in
-        ``workers`` said BYE (a dedicated server then says BYE to the other servers)."""
+        ``workers`` said BYE (a dedicated server then says BYE to the other servers). ``member``: the loop
+        serves one worker over a two-rank group (``ivyplug serve``): every request is that worker slot's,
+        received from rank 1, and a request that breaks the protocol ends this member only, never a shard."""
         super().__init__(name=f"ivyplug-ps-server-{channel.rank}", daemon=True)
         self.channel = channel
-        self.shard = shard
+        if isinstance(shards, Shard):
+            shards = {shards.shard: shards}
+        self.shards: dict[int, Shard] = dict(shards or {})
         self.queue = queue
         self.expect_bye = set(expect_bye)
         self.workers = set(workers or ())
         self.on_workers_done = on_workers_done
         self.stop = stop
+        self.member = member
+        self.traffic = traffic
         self.bye_from: set[int] = set()
         self.error: BaseException | None = None
         self._state_blob = b""
         self._workers_done = False
+
+    @property
+    def shard(self) -> Shard | None:
+        """The shard of a loop that serves one (co-located, dedicated), else None."""
+        return next(iter(self.shards.values())) if len(self.shards) == 1 else None
 
     @property
     def byes(self) -> int:
@@ -62,16 +92,20 @@ class ServerLoop(threading.Thread):
         return Flag.STOP if self.stop.is_set() else 0
 
     def _reply(self, to: int, request: Header, data: torch.Tensor | None = None, **args: int) -> None:
-        shard = self.shard.shard if self.shard is not None else -1
-        h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=shard, seq=request.seq, flags=self._flags(), **args)
-        self.channel.send(to, h, data, reply=True, wait=False)
+        h = Header(
+            kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=self._flags(), **args
+        )
+        sent = self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1)
+        if self.traffic is not None:
+            self.traffic.count(0, 0, sent)
 
     def _reply_error(self, to: int, request: Header, text: str | None = None) -> None:
         """An ERROR reply carrying a zero payload of the size the requester posted a receive for, so that
         its receive completes and it fails at once (not after ``timeout``) and nothing stays posted; then
         the error's text (``text``, else the shard's recorded error), which the requester raises with."""
         if text is None:
-            text = (self.shard.error if self.shard is not None else None) or "unknown error"
+            target = self.shards.get(request.shard)
+            text = (target.error if target is not None else None) or "unknown error"
         blob = f"rank {self.channel.rank}: {text}".encode()[:MAX_ERROR_TEXT]
         h = Header(
             kind=Kind.REPLY,
@@ -81,50 +115,97 @@ class ServerLoop(threading.Thread):
             flags=self._flags(),
             arg3=len(blob),
         )
-        self.channel.send(to, h, torch.zeros(self._reply_numel(request)), reply=True, wait=False)
-        self.channel.send_error_text(to, blob)
+        stream = request.shard + 1
+        self.channel.send(to, h, torch.zeros(self._reply_numel(request)), reply=True, wait=False, stream=stream)
+        self.channel.send_error_text(to, blob, stream)
 
     def _reply_numel(self, request: Header) -> int:
         """fp32 elements of the reply payload a request of this kind expects (see client.py)."""
-        if request.kind in (Kind.PUSH_PULL, Kind.PULL) and self.shard is not None:
-            plan = self.shard.plan
-            return plan.shard_numel(request.shard) if 0 <= request.shard < plan.num_shards else 0
+        target = self.shards.get(request.shard)
+        if request.kind in (Kind.PUSH_PULL, Kind.PULL) and target is not None:
+            return target.n_total
         if request.kind == Kind.STATE_FETCH:
             return (len(self._state_blob) + 3) // 4
         return 0
 
     def run(self) -> None:
+        peer = 1 if self.member is not None else None
         while not self.expect_bye <= self.bye_from:
             try:
-                header = self.channel.recv_request_header()
+                header = self.channel.recv_request_header(peer)
+                if self.member is not None:
+                    header.sender = 1  # the pair's other rank, whatever its header says
+                    self._check_sizes(header)
                 data, hyper = self.channel.recv_request_payload(header)
-            except BaseException as exc:  # the group is unusable: record and end
+                if self.traffic is not None:
+                    nbytes = 128 + 4 * header.numel + 8 * header.n_hyper
+                    self.traffic.count(int(header.kind == Kind.PUSH_PULL), nbytes, 0)
+            except BaseException as exc:  # the group is unusable (or, for a member, it broke the protocol)
                 self.error = exc
-                print(f"[ivyplug.ps] server loop on rank {self.channel.rank} ended: {exc}", file=sys.stderr, flush=True)
-                if self.shard is not None:
-                    self.shard.fail(exc)
+                if self.member is None:
+                    print(
+                        f"[ivyplug.ps] server loop on rank {self.channel.rank} ended: {exc}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    for shard in self.shards.values():
+                        shard.fail(exc)
                 return
             try:
                 self._handle(header, data, hyper)
             except BaseException as exc:
                 print(
-                    f"[ivyplug.ps] rank {self.channel.rank} failed on a kind-{header.kind} request from rank "
-                    f"{header.sender}:\n{traceback.format_exc()}",
+                    f"[ivyplug.ps] rank {self.channel.rank} failed on a kind-{header.kind} request from "
+                    f"{self._who(header)}:\n{traceback.format_exc()}",
                     file=sys.stderr,
                     flush=True,
                 )
-                if self.shard is not None:
-                    self.shard.fail(exc)
+                if self.member is None:  # a member's bad request is refused; it never fails a shard
+                    for shard in self.shards.values():
+                        shard.fail(exc)
                 if header.kind in _WANTS_REPLY:
                     try:
                         self._reply_error(header.sender, header, f"{type(exc).__name__}: {exc}")
                     except Exception as reply_exc:  # the requester is gone too: keep serving the others
                         print(
-                            f"[ivyplug.ps] rank {self.channel.rank} could not send the error reply to rank "
-                            f"{header.sender}: {reply_exc}",
+                            f"[ivyplug.ps] rank {self.channel.rank} could not send the error reply to "
+                            f"{self._who(header)}: {reply_exc}",
                             file=sys.stderr,
                             flush=True,
                         )
+
+    def _who(self, h: Header) -> str:
+        return f"worker {self.member}" if self.member is not None else f"rank {h.sender}"
+
+    def _check_sizes(self, h: Header) -> None:
+        """A member's request must announce exactly the payload its kind carries, before any is received
+        (gloo aborts the process on a message longer than the posted receive; see auth.py)."""
+        numel, n_hyper = 0, 0
+        if h.kind in (Kind.PUSH_PULL, Kind.PULL, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.IDLE):
+            target = self.shards.get(h.shard)
+            if target is None:
+                raise PSProtocolError(
+                    f"worker {self.member} asked for shard {h.shard}; this server has {sorted(self.shards)}"
+                )
+            if h.kind == Kind.PUSH_PULL:
+                numel, n_hyper = target.n_total, target.n_hyper
+        else:
+            h.shard = -1  # requests of the service itself: their replies come back on stream 0
+        if h.kind == Kind.LOAD:
+            if not 0 <= h.arg0 <= MAX_BLOB_BYTES:
+                raise PSProtocolError(f"worker {self.member} announced a state of {h.arg0} bytes")
+            numel = (h.arg0 + 3) // 4
+        allowed = (
+            Kind.PUSH_PULL, Kind.PULL, Kind.IDLE, Kind.BYE, Kind.NEXT_BATCH, Kind.STOP, Kind.STATE_SIZE,
+            Kind.STATE_FETCH, Kind.LOAD, Kind.EPOCH,
+        )  # fmt: skip
+        if h.kind not in allowed:
+            raise PSProtocolError(f"worker {self.member} sent a message of kind {h.kind}, which members may not send")
+        if (h.numel, h.n_hyper) != (numel, n_hyper):
+            raise PSProtocolError(
+                f"worker {self.member}'s kind-{h.kind} message announces {h.numel} + {h.n_hyper} values; "
+                f"it must carry {numel} + {n_hyper}"
+            )
 
     def _answer(self, to: int, request: Header, fut: Future[Reply]) -> None:
         """Send a push's or pull's reply once its future is resolved (on the resolving thread)."""
@@ -142,50 +223,61 @@ class ServerLoop(threading.Thread):
                 flush=True,
             )
 
+    def _shard_for(self, h: Header) -> Shard:
+        shard = self.shards.get(h.shard)
+        if shard is None:
+            raise RuntimeError(
+                f"a kind-{h.kind} request for shard {h.shard} reached rank {self.channel.rank}, which serves "
+                f"{sorted(self.shards) or 'no shard'}"
+            )
+        return shard
+
     def _handle(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
-        w = h.sender
-        shard = self.shard
-        if h.kind in _NEEDS_SHARD and shard is None:
-            raise RuntimeError(f"rank {self.channel.rank} serves no shard but got a kind-{h.kind} request")
+        to = h.sender
+        w = self.member if self.member is not None else h.sender
+        if h.kind in _NEEDS_SHARD:
+            shard = self._shard_for(h)
         if h.kind in (Kind.PUSH_PULL, Kind.PULL):
-            assert shard is not None
-            if h.shard != shard.shard:
-                raise RuntimeError(f"a request for shard {h.shard} reached the server of shard {shard.shard}")
             if h.kind == Kind.PUSH_PULL:
                 assert data is not None and hyper is not None
                 fut = shard.push_pull(w, data, hyper)
             else:
                 fut = shard.pull(w)
-            fut.add_done_callback(lambda f: self._answer(w, h, f))
+            fut.add_done_callback(lambda f: self._answer(to, h, f))
         elif h.kind == Kind.IDLE:
-            assert shard is not None
-            shard.idle(w)
+            if h.shard in self.shards:
+                self.shards[h.shard].idle(w)
         elif h.kind == Kind.NORM:
-            assert shard is not None and hyper is not None
+            assert hyper is not None
             shard.norm(h.arg0, h.arg1, float(hyper[0]))
         elif h.kind == Kind.NEXT_BATCH:
             if self.queue is None:
                 raise RuntimeError(f"rank {self.channel.rank} holds no batch queue (ask rank 0)")
-            self._reply(w, h, None, arg0=self.queue.take(w, h.arg0))
+            self._reply(to, h, None, arg0=self.queue.take(w, h.arg0))
+        elif h.kind == Kind.EPOCH:
+            if self.queue is None:
+                raise RuntimeError(f"rank {self.channel.rank} holds no batch queue")
+            self.queue.reset(h.arg0, h.arg1)
+            self._reply(to, h, None)
         elif h.kind == Kind.STOP:
             self.stop.set()
         elif h.kind == Kind.BYE:
-            self.bye_from.add(w)
-            if shard is not None and w in self.workers:
-                shard.idle(w)
+            self.bye_from.add(to)
+            if self.member is None and w in self.workers:
+                for s in self.shards.values():
+                    s.idle(w)
             if not self._workers_done and self.workers and self.workers <= self.bye_from:
                 self._workers_done = True  # exactly once: a second BYE to a finished peer is never received
                 if self.on_workers_done is not None:
                     self.on_workers_done()
         elif h.kind == Kind.STATE_SIZE:
-            assert shard is not None
             self._state_blob = shard.state()
-            self._reply(w, h, None, arg0=len(self._state_blob))
+            self._reply(to, h, None, arg0=len(self._state_blob))
         elif h.kind == Kind.STATE_FETCH:
-            self._reply(w, h, bytes_to_words(self._state_blob), arg0=len(self._state_blob))
+            self._reply(to, h, bytes_to_words(self._state_blob), arg0=len(self._state_blob))
         elif h.kind == Kind.LOAD:
-            assert shard is not None and data is not None
+            assert data is not None
             shard.load(load_state_bytes(words_to_bytes(data, h.arg0)))
-            self._reply(w, h, None)
+            self._reply(to, h, None)
         else:
-            raise RuntimeError(f"unknown message kind {h.kind} from rank {w}")
+            raise RuntimeError(f"unknown message kind {h.kind} from {self._who(h)}")

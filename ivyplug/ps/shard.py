@@ -90,6 +90,11 @@ class Reply(NamedTuple):
     clock: int
 
 
+class PushRefused(PSProtocolError):
+    """A push that breaks the protocol (wrong sizes, unflagged NaN, a second push in one sync step): refused
+    to its worker, while the shard goes on serving the others."""
+
+
 class NormPeer(Protocol):
     """What a shard needs of another shard for the sync-mode norm exchange."""
 
@@ -161,6 +166,12 @@ class Shard:
         self._ready: list[tuple[Future[Reply], Reply]] = []
         self._failed: list[Future[Reply]] = []
         self._norms_out: list[tuple[int, float]] = []
+        self._lost: dict[int, str] = {}  # worker -> why (sync: a step cannot complete without it)
+
+    @property
+    def n_hyper(self) -> int:
+        """Length of the fp64 vector every push carries (prefix, has-gradient mask, hyperparameters)."""
+        return HYPER_PREFIX + self._mask_words + self.spec.num_values
 
     def connect_peers(self, peers: Mapping[int, NormPeer]) -> None:
         """The other shards of the plan (shard index -> endpoint), for the sync-mode norm exchange."""
@@ -176,6 +187,8 @@ class Shard:
                 tau = self._push(worker, data, hyper)
                 self._parked.append((worker, tau, fut))
                 self._release()
+            except PushRefused as exc:
+                fut.set_exception(exc)
             except BaseException as exc:
                 self._fail_locked(exc)
                 fut.set_exception(exc)
@@ -200,6 +213,33 @@ class Shard:
             self.live[worker] = False
             self._release()
         self._flush()
+
+    def join(self, worker: int) -> None:
+        """``worker`` (a slot of an ``ivyplug serve`` job) starts or restarts: it sees the current version,
+        and counts for SSP from its first push, at the clock of the slowest live worker (sync: the version)."""
+        with self._lock:
+            self._lost.pop(worker, None)
+            live = [c for c, ok in zip(self.clock, self.live, strict=True) if ok]
+            self.clock[worker] = self.version if self.cfg.mode == "sync" else (min(live) if live else max(self.clock))
+            self.seen[worker] = self.version
+            self.live[worker] = False
+            self._sync_pushes.pop(worker, None)
+
+    def leave(self, worker: int, reason: str | None = None) -> None:
+        """``worker`` left (``reason=None``) or is gone (``reason`` says how). Async/ssp go on without it (SSP
+        stops counting it); in sync mode a step needs every worker, so the step in progress and every later
+        one fail with ``reason`` until the slot is joined again."""
+        with self._lock:
+            self.live[worker] = False
+            self._parked = [entry for entry in self._parked if entry[0] != worker]
+            if reason is not None and self.cfg.mode == "sync":
+                self._lost[worker] = reason
+                self._failed += [fut for _, _, fut in self._parked]
+                self._parked = []
+                self._sync_pushes = {}
+                self._sync_combined = None
+            self._release()
+        self._flush(f"worker {worker} is gone: {reason}" if reason else None)
 
     def norm(self, step: int, shard: int, sq: float) -> None:
         """Another shard's squared norm of sync step ``step``'s combined gradient (for global clipping)."""
@@ -226,16 +266,16 @@ class Shard:
         with self._lock:
             return self.version, list(self.clock)
 
-    def _flush(self) -> None:
+    def _flush(self, why: str | None = None) -> None:
         """Resolve ready replies and send norms, outside the lock (callbacks may do network I/O)."""
         with self._lock:
             ready, self._ready = self._ready, []
             failed, self._failed = self._failed, []
             norms, self._norms_out = self._norms_out, []
-            error = self.error
+            error = why or f"failed: {self.error}"
         for fut in failed:  # pending replies fail now (their requesters hear it), not after a timeout
             if not fut.done():
-                fut.set_exception(PSProtocolError(f"PS shard {self.shard} failed: {error}"))
+                fut.set_exception(PSProtocolError(f"PS shard {self.shard}: {error}"))
         for step, sq in norms:
             for peer in self._peers.values():
                 peer.norm(step, self.shard, sq)
@@ -283,7 +323,7 @@ class Shard:
         if at is None:
             return
         piece = next(p for p in self.pieces if p.offset <= at < p.offset + p.numel)
-        raise PSProtocolError(
+        raise PushRefused(
             f"shard {self.shard}: push {self.clock[worker] + 1} of worker {worker} holds non-finite values in "
             f"{self.plan.specs[piece.index].name!r} but was not flagged so (a PS client must check its whole push "
             "first); nothing of it was applied"
@@ -291,15 +331,18 @@ class Shard:
 
     def _push(self, worker: int, data: torch.Tensor, hyper: torch.Tensor) -> int:
         """Take one push (``data`` = grads then buffers, fp32); returns the staleness assigned to it."""
+        if self._lost and self.cfg.mode == "sync":
+            raise PushRefused(
+                f"shard {self.shard}: a sync step needs every worker, and "
+                + "; ".join(f"worker {w} is gone ({why})" for w, why in sorted(self._lost.items()))
+            )
         if data.numel() != self.n_total:
-            raise PSProtocolError(
+            raise PushRefused(
                 f"shard {self.shard}: push from worker {worker} has {data.numel()} values, expected {self.n_total}"
             )
         n_expected = HYPER_PREFIX + self._mask_words + self.spec.num_values
         if hyper.numel() != n_expected:
-            raise PSProtocolError(
-                f"shard {self.shard}: push has {hyper.numel()} hyperparameters, expected {n_expected}"
-            )
+            raise PushRefused(f"shard {self.shard}: push has {hyper.numel()} hyperparameters, expected {n_expected}")
         self.live[worker] = True
         skipped = bool(int(hyper[2]) & PushFlag.NONFINITE)
         if skipped:
@@ -311,7 +354,7 @@ class Shard:
         num_samples = 0.0 if skipped else float(hyper[1])
         if self.cfg.mode == "sync":
             if worker in self._sync_pushes:
-                raise PSProtocolError(f"shard {self.shard}: worker {worker} pushed twice in step {self.version}")
+                raise PushRefused(f"shard {self.shard}: worker {worker} pushed twice in step {self.version}")
             kept = (None, None) if skipped else (grads.clone(), bufs.clone())
             self._sync_pushes[worker] = (num_samples, *kept, hyper.clone(), self._has_grad(hyper))
             self.clock[worker] += 1

@@ -5,6 +5,8 @@
   send to itself).
 * dedicated (``num_servers=k``): rank 0 starts k CPU server processes on its host (dedicated.py); every
   worker reaches every shard over the wire. Rank 0 also serves the batch queue in a loop thread.
+* external (``servers="host:port"``): the shards and the batch queue of an ``ivyplug serve`` (service.py),
+  reached over a two-rank group per worker (service_link.py).
 
 Everything else (a step, sync, checkpoints) is the same loop over the endpoints in either topology.
 """
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ivyplug.ps import job_description, service_link
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.dedicated import connect, launch, ps_host
 from ivyplug.ps.dispatch import BatchQueue
@@ -26,6 +29,7 @@ from ivyplug.ps.endpoints import InProcessEndpoint, ShardEndpoint, WireEndpoint,
 from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.mirror import OptimizerSpec
 from ivyplug.ps.server_loop import ServerLoop
+from ivyplug.ps.service_link import ServiceLink
 from ivyplug.ps.shard import Shard
 from ivyplug.ps.sharding import ShardPlan
 from ivyplug.ps.transport import Channel, PSTimeoutError
@@ -47,6 +51,7 @@ class Topology:
     store: Any = None
     loop_ranks: list[int] = field(default_factory=list)  # other PS-group ranks that run a loop (STOP, BYE)
     owns_p2p_group: bool = True
+    link: ServiceLink | None = None  # the connection to an ivyplug serve (external)
 
 
 def colocated(
@@ -138,4 +143,47 @@ def dedicated(
     else:
         topo.queue_endpoint = WireEndpoint(channel, 0, -1, 0, stats)
     workers.barrier("every worker to join the PS group")
+    return topo
+
+
+def external(
+    cfg: PSConfig,
+    plan: ShardPlan,
+    spec: OptimizerSpec,
+    layout: FlatLayout,
+    rank: int,
+    world_size: int,
+    workers: WorkerGroup,
+    stop: threading.Event,
+    stats: WireStats,
+    link: ServiceLink,
+) -> Topology:
+    """The shards of an ``ivyplug serve`` (service.py), reached over this worker's own pair group.
+
+    Rank 0 joins first, so that a new job's shards start from rank 0's values; then the other ranks. A job
+    of several ranks asks for slots 0..W-1 (its ranks); a lone worker takes any free slot.
+    """
+    desc = job_description.describe(cfg, plan, spec)
+    full = layout.flat_local()
+    values = [layout.shard_values(full, s) for s in range(plan.num_shards)]
+    want = rank if world_size > 1 else -1
+    if rank == 0:
+        service_link.join(link, desc, values, want, world_size, stats)
+    workers.barrier(f"rank 0 to join ivyplug serve at {link.address}")
+    if rank != 0:
+        service_link.join(link, desc, values, want, world_size, stats)
+    if link.num_workers < world_size:
+        raise ValueError(
+            f"ivyplug serve at {link.address} has {link.num_workers} worker slots, this job has {world_size} workers "
+            "(start it with --workers >= the job's size)"
+        )
+    endpoints: dict[int, ShardEndpoint] = {
+        s: WireEndpoint(link.channel, 0, s, plan.shard_numel(s), stats) for s in plan.nonempty_shards()
+    }
+    topo = Topology(
+        endpoints, channel=link.channel, p2p_group=link.group, store=link.store, link=link, owns_p2p_group=False
+    )
+    topo.loop_ranks = [0]
+    topo.queue_endpoint = WireEndpoint(link.channel, 0, -1, 0, stats)
+    workers.barrier(f"every worker to join ivyplug serve at {link.address}")
     return topo

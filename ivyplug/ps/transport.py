@@ -67,6 +67,16 @@ def wait_work(work: Any, timeout: float, what: str) -> None:
         raise PSProtocolError(f"communication failed while waiting for {what}: {msg}") from exc
 
 
+def reply_tag(base: int, stream: int) -> int:
+    """The tag of a reply on ``stream`` (a shard's index + 1; 0 for the batch queue and the service).
+
+    Replies of different shards may come back from one rank in any order (an ``ivyplug serve`` holds every
+    shard): gloo matches a message to the receives posted for its source and tag in order, so each shard's
+    replies travel under a tag of their own.
+    """
+    return base + 1000 * stream
+
+
 class Channel:
     """Sends and receives PS messages on one process group (``rank`` = this process's rank in it)."""
 
@@ -99,6 +109,7 @@ class Channel:
         *,
         reply: bool = False,
         wait: bool = True,
+        stream: int = 0,
     ) -> int:
         """Send header then payloads atomically w.r.t. other threads; returns bytes sent.
 
@@ -111,10 +122,12 @@ class Channel:
         works = []
         with self._send_lock:
             what = f"a kind-{header.kind} message"
-            works.append(self._isend(h, dst, TAG_REPLY if reply else TAG_REQUEST, what))
+            works.append(self._isend(h, dst, reply_tag(TAG_REPLY, stream) if reply else TAG_REQUEST, what))
             if data is not None and data.numel() > 0:
                 tensors.append(data)
-                works.append(self._isend(data, dst, TAG_REPLY_DATA if reply else TAG_REQUEST_DATA, what))
+                works.append(
+                    self._isend(data, dst, reply_tag(TAG_REPLY_DATA, stream) if reply else TAG_REQUEST_DATA, what)
+                )
             if hyper is not None and hyper.numel() > 0:
                 if reply:
                     raise PSProtocolError("replies carry no fp64 payload")
@@ -149,10 +162,10 @@ class Channel:
             wait_work(w, self.timeout, f"a peer to accept a message ({what})")
 
     # -- receiving -----------------------------------------------------------------------------
-    def recv_request_header(self) -> Header:
-        """Block until any peer sends a request header (server loop only; see module docstring)."""
+    def recv_request_header(self, src: int | None = None) -> Header:
+        """Block until a peer (``src``, else any) sends a request header (server loops only; see above)."""
         t = empty_header()
-        work = self.group.recv_anysource([t], TAG_REQUEST)
+        work = self.group.recv_anysource([t], TAG_REQUEST) if src is None else self.group.recv([t], src, TAG_REQUEST)
         work.wait(timeout=IDLE_WAIT)
         return Header.decode(t)
 
@@ -170,29 +183,30 @@ class Channel:
             wait_work(w, self.timeout, f"the payload of a kind-{header.kind} message from rank {header.sender}")
         return data, hyper
 
-    def send_error_text(self, dst: int, text: bytes) -> None:
+    def send_error_text(self, dst: int, text: bytes, stream: int = 0) -> None:
         """The text of an error reply, sent after it (its header announced the length); not waited for."""
         if text:
             words = bytes_to_words(text)
             with self._send_lock:
-                work = self._isend(words, dst, TAG_REPLY_TEXT, "an error text")
+                work = self._isend(words, dst, reply_tag(TAG_REPLY_TEXT, stream), "an error text")
                 self._pending.append((work, (words,), f"an error text to rank {dst}"))
             self._prune()
 
-    def recv_error_text(self, src: int, nbytes: int) -> str:
+    def recv_error_text(self, src: int, nbytes: int, stream: int = 0) -> str:
         """Receive the text of an error reply from ``src`` (empty when the header announced none)."""
         if nbytes <= 0:
             return ""
         words = torch.empty((nbytes + 3) // 4, dtype=torch.float32)
-        wait_work(self._irecv(words, src, TAG_REPLY_TEXT, "an error text"), self.timeout, f"rank {src}'s error text")
+        work = self._irecv(words, src, reply_tag(TAG_REPLY_TEXT, stream), "an error text")
+        wait_work(work, self.timeout, f"rank {src}'s error text")
         return words_to_bytes(words, nbytes).decode("utf-8", errors="replace")
 
-    def post_reply(self, src: int, data: torch.Tensor | None) -> tuple[torch.Tensor, list[Any]]:
+    def post_reply(self, src: int, data: torch.Tensor | None, stream: int = 0) -> tuple[torch.Tensor, list[Any]]:
         """Post receives for a reply header (and fp32 payload into ``data``) from ``src`` before asking."""
         h = empty_header()
-        works = [self._irecv(h, src, TAG_REPLY, "a reply")]
+        works = [self._irecv(h, src, reply_tag(TAG_REPLY, stream), "a reply")]
         if data is not None and data.numel() > 0:
-            works.append(self._irecv(data, src, TAG_REPLY_DATA, "a reply"))
+            works.append(self._irecv(data, src, reply_tag(TAG_REPLY_DATA, stream), "a reply"))
         return h, works
 
     def wait_reply(self, h: torch.Tensor, works: list[Any], what: str, timeout: float | None = None) -> Header:

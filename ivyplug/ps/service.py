@@ -1,0 +1,413 @@
+"""``ivyplug serve``: shards that live in a process of their own, for workers that come and go.
+
+The service holds a ``TCPStore`` at its address; a worker (``PSConfig(servers="host:port")``) meets it there:
+
+* it proves the token (auth.py, through the store: no byte of an unauthenticated peer reaches gloo);
+* the two form a **two-rank gloo group of their own** under a secret store prefix. gloo groups have a fixed
+  size, so a membership that changes cannot live in one group: one pair per worker lets a worker join, leave
+  or die without touching the others, and a dead worker shows as its pair's closed connection (at once on
+  one host, within ``timeout`` across hosts), never as a hang of everyone;
+* its first message is JOIN (job_description.py): the first worker of a job creates the shards from its
+  description and values; a later worker must describe the same job, or is refused with the difference;
+* then the member's own server loop (server_loop.py) decodes its requests into calls on the shards.
+
+The job outlives its workers: when all have left, a new run of the same model joining continues from the
+shards' state (a warm restart). With ``state_dir``, the shards are written there every ``snapshot_every``
+seconds and at shutdown, and a new service started on that directory resumes from them. Every shard is in
+this process; norms of sync-mode clipping go shard to shard in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ivyplug.ps import auth, job_description, typed_state
+from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
+from ivyplug.ps.dispatch import BatchQueue
+from ivyplug.ps.endpoints import InProcessEndpoint
+from ivyplug.ps.messages import Header, Kind, Status, bytes_to_words, words_to_bytes
+from ivyplug.ps.mirror import OptimizerSpec
+from ivyplug.ps.server_loop import MAX_BLOB_BYTES, ServerLoop
+from ivyplug.ps.shard import Shard, load_state_bytes
+from ivyplug.ps.sharding import ShardPlan
+from ivyplug.ps.transport import Channel, PSProtocolError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+JOB_FILE = "job.ivys"
+
+
+class Traffic:
+    """Pushes and bytes since the last status line (its own lock: member loops count concurrently)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pushes = self._in = self._out = 0
+
+    def count(self, pushes: int, bytes_in: int, bytes_out: int) -> None:
+        with self._lock:
+            self._pushes += pushes
+            self._in += bytes_in
+            self._out += bytes_out
+
+    def take(self) -> tuple[int, int, int]:
+        with self._lock:
+            out = (self._pushes, self._in, self._out)
+            self._pushes = self._in = self._out = 0
+        return out
+
+
+@dataclass
+class Job:
+    """The model the shards hold: what the first worker described, and the shards built from it."""
+
+    description: dict[str, Any]
+    cfg: PSConfig
+    plan: ShardPlan
+    spec: OptimizerSpec
+    num_workers: int
+    shards: dict[int, Shard]
+    queue: BatchQueue
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+class PSService:
+    """The shards of ``ivyplug serve`` and the members that reach them (see the module docstring).
+
+    Args:
+        num_shards: shards this service holds (the plan's shard count).
+        host, port: where the store listens (``port=0``: a free one; see :attr:`address`).
+        token: the shared secret workers must prove; required unless ``host`` is a loopback address.
+        num_workers: worker slots of the job (sync: workers per step); 0 takes the first worker's job size.
+        state_dir, snapshot_every: write the shards there every that many seconds (and at close) and
+            resume from what is there at start.
+        timeout: bound of every wait on a member (handshake, payloads).
+        status_every: seconds between two status lines (``None``: none).
+        log: where status lines go.
+    """
+
+    def __init__(
+        self,
+        num_shards: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        num_workers: int = 0,
+        state_dir: str | os.PathLike[str] | None = None,
+        snapshot_every: float | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        status_every: float | None = 60.0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        check_options(num_shards, host, port, token, num_workers, state_dir, snapshot_every)
+        self.num_shards = num_shards
+        self.host = host
+        self.token = token or None
+        self.num_workers = num_workers
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.snapshot_every = snapshot_every
+        self.timeout = timeout
+        self.status_every = status_every
+        self.log = log or (lambda line: print(line, flush=True))
+        self.traffic = Traffic()
+        self.closed = threading.Event()
+        self._lock = threading.Lock()  # guards job, slots, members (membership; shards guard themselves)
+        self.job: Job | None = None
+        self.slots: dict[int, int] = {}  # worker slot -> member number
+        self.refused = 0
+        self._groups: dict[int, Any] = {}
+        self._threads: list[threading.Thread] = []
+        self.store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+        )
+        self.port = int(self.store.port)
+        if self.state_dir is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._resume()
+        for target, name in ((self._accept, "accept"), (self._tick, "status")):
+            t = threading.Thread(target=target, name=f"ivyplug-serve-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def describe(self) -> str:
+        workers = self.num_workers or "the first job's"
+        auth_text = "token required" if self.token else "no token (loopback only)"
+        where = f", snapshots in {self.state_dir} every {self.snapshot_every:g} s" if self.state_dir else ""
+        resumed = f", resumed at version {self.version()}" if self.job is not None else ""
+        return (
+            f"ivyplug serve: listening on {self.address} ({self.num_shards} shards, {workers} worker slots, "
+            f"{auth_text}{where}{resumed})"
+        )
+
+    def version(self) -> int:
+        job = self.job
+        return min(s.versions()[0] for s in job.shards.values()) if job is not None else 0
+
+    def members(self) -> int:
+        with self._lock:
+            return len(self.slots)
+
+    # -- accepting members ----------------------------------------------------------------------------
+    def _accept(self) -> None:
+        member = 0
+        while not self.closed.is_set():
+            if not self.store.check([f"{auth.PREFIX}/hello/{member}"]):
+                time.sleep(0.05)  # a non-blocking look: a store wait that times out logs a warning each time
+                continue
+            t = threading.Thread(
+                target=self._serve_member, args=(member,), name=f"ivyplug-member-{member}", daemon=True
+            )
+            t.start()
+            member += 1
+
+    def _serve_member(self, member: int) -> None:
+        slot: int | None = None
+        group = None
+        try:
+            accept = {"shards": self.num_shards, "workers": self.num_workers}
+            reason, prefix = auth.server_handshake(self.store, member, self.token, self.timeout, accept)
+            if reason is not None:
+                with self._lock:
+                    self.refused += 1
+                self.log(f"ivyplug serve: refused member {member}: {reason}")
+                return
+            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), 0, 2, timedelta(seconds=self.timeout))
+            with self._lock:
+                self._groups[member] = group
+            channel = Channel(group, 0, self.timeout)
+            slot, job = self._join(member, channel)
+            if slot is None or job is None:
+                return
+            loop = ServerLoop(channel, job.shards, job.queue, {1}, job.stop, member=slot, traffic=self.traffic)
+            loop.run()  # on this thread: ends at the member's BYE, or when its pair breaks
+            if loop.error is not None:
+                self._leave(slot, f"its connection broke ({loop.error})")
+            else:
+                self._leave(slot, None)
+            slot = None
+            with contextlib.suppress(PSProtocolError):
+                channel.flush()
+        except Exception as exc:  # a member's failure never ends the service
+            self.log(f"ivyplug serve: member {member} ended: {type(exc).__name__}: {exc}")
+            if slot is not None:
+                self._leave(slot, f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._groups.pop(member, None)
+
+    def _join(self, member: int, channel: Channel) -> tuple[int | None, Job | None]:
+        """Receive the member's JOIN; create the job, or check it matches; give it a slot."""
+        h = channel.recv_request_header(1)
+        if h.kind != Kind.JOIN or h.n_hyper != 0 or not 0 < h.arg0 <= MAX_BLOB_BYTES or h.numel != (h.arg0 + 3) // 4:
+            raise PSProtocolError(f"member {member}'s first message must be a well-formed JOIN, got kind {h.kind}")
+        data, _ = channel.recv_request_payload(h)
+        assert data is not None
+        try:
+            blob = typed_state.decode(words_to_bytes(data, h.arg0))
+            if not isinstance(blob, dict) or not isinstance(blob.get("job"), dict):
+                raise ValueError("a JOIN carries {'job': description, 'values': [...]}")
+            slot, created, job = self._admit(member, blob, h.arg1, h.arg2)
+        except ValueError as exc:
+            text = f"{exc}".encode()[:4000]
+            reply = Header(kind=Kind.REPLY, sender=0, seq=h.seq, status=Status.ERROR, arg3=len(text))
+            channel.send(1, reply, reply=True)
+            channel.send_error_text(1, text)
+            channel.flush()
+            with self._lock:
+                self.refused += 1
+            self.log(f"ivyplug serve: refused member {member}: {exc}")
+            return None, None
+        for shard in job.shards.values():
+            shard.join(slot)
+        channel.send(
+            1,
+            Header(kind=Kind.REPLY, sender=0, seq=h.seq, arg0=slot, arg1=int(created), arg2=job.num_workers),
+            reply=True,
+        )
+        self.log(f"ivyplug serve: worker {slot} joined (member {member}; {self.members()} connected)")
+        return slot, job
+
+    def _admit(self, member: int, blob: dict[str, Any], want: int, job_size: int) -> tuple[int, bool, Job]:
+        """The slot for a joining worker, under the membership lock (ValueError: refused, with why)."""
+        desc = blob["job"]
+        with self._lock:
+            created = False
+            if self.job is None:
+                workers = self.num_workers or max(1, int(job_size))
+                self.job = self._build(desc, workers, blob.get("values"))
+                created = True
+            else:
+                diff = job_description.difference(self.job.description, desc)
+                if diff is not None:
+                    raise ValueError(f"this worker's job differs from the one the servers hold: {diff}")
+            job = self.job
+            if not self.slots:  # a new run (all earlier workers left): its stop flag starts lowered
+                job.stop.clear()
+            if want >= 0:
+                if want >= job.num_workers:
+                    raise ValueError(f"worker slot {want} asked for, the servers have slots 0..{job.num_workers - 1}")
+                if want in self.slots:
+                    raise ValueError(f"worker slot {want} is taken by a live worker")
+                slot = want
+            else:
+                free = [s for s in range(job.num_workers) if s not in self.slots]
+                if not free:
+                    raise ValueError(
+                        f"all {job.num_workers} worker slots are taken (start ivyplug serve with a larger --workers)"
+                    )
+                slot = free[0]
+            self.slots[slot] = member
+            return slot, created, job
+
+    def _build(self, desc: dict[str, Any], num_workers: int, values: Any) -> Job:
+        cfg, plan, spec = job_description.build(desc, self.num_shards, self.timeout)
+        shards: dict[int, Shard] = {}
+        for s in range(plan.num_shards):
+            init = values[s] if isinstance(values, list) and len(values) == plan.num_shards else None
+            if init is None:
+                init = torch.zeros(plan.shard_numel(s))
+            if not isinstance(init, torch.Tensor) or init.dtype != torch.float32 or init.dim() != 1:
+                raise ValueError(f"initial values of shard {s} must be a flat float32 tensor")
+            shards[s] = Shard(s, plan, cfg, num_workers, spec, init)
+        for shard in shards.values():
+            shard.connect_peers({s: InProcessEndpoint(other) for s, other in shards.items() if s != shard.shard})
+        return Job(desc, cfg, plan, spec, num_workers, shards, BatchQueue(num_workers))
+
+    def _leave(self, slot: int, reason: str | None) -> None:
+        with self._lock:
+            self.slots.pop(slot, None)
+            job = self.job
+            left = len(self.slots)
+        if job is not None:
+            for shard in job.shards.values():
+                shard.leave(slot, reason)
+        how = "left" if reason is None else f"is gone: {reason}"
+        self.log(f"ivyplug serve: worker {slot} {how} ({left} connected)")
+
+    # -- snapshots and status -----------------------------------------------------------------------
+    def snapshot(self) -> Path | None:
+        """Write the job and every shard's state to ``state_dir`` (atomically, one file); its path."""
+        job = self.job
+        if self.state_dir is None or job is None:
+            return None
+        blob = typed_state.encode(
+            {
+                "job": job.description,
+                "num_workers": job.num_workers,
+                "num_shards": self.num_shards,
+                "shards": [bytes_to_words(job.shards[s].state()) for s in sorted(job.shards)],
+            }
+        )
+        path = self.state_dir / JOB_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+        return path
+
+    def _resume(self) -> None:
+        assert self.state_dir is not None
+        path = self.state_dir / JOB_FILE
+        if not path.exists():
+            return
+        saved = typed_state.decode(path.read_bytes())
+        if saved["num_shards"] != self.num_shards:
+            raise ValueError(
+                f"{path} holds {saved['num_shards']} shards; start ivyplug serve with --shards {saved['num_shards']} "
+                "(or another --state-dir)"
+            )
+        job = self._build(saved["job"], int(saved["num_workers"]), None)
+        for s, words in enumerate(saved["shards"]):
+            job.shards[s].load(load_state_bytes(words_to_bytes(words, words.numel() * 4)))
+        self.job = job
+
+    def _tick(self) -> None:
+        last_status = last_snapshot = time.monotonic()
+        while not self.closed.wait(0.5):
+            now = time.monotonic()
+            if self.snapshot_every is not None and now - last_snapshot >= self.snapshot_every:
+                last_snapshot = now
+                try:
+                    self.snapshot()
+                except Exception as exc:  # a full disk must not end the service; say so every time
+                    self.log(f"ivyplug serve: snapshot failed: {type(exc).__name__}: {exc}")
+            if self.status_every is not None and now - last_status >= self.status_every:
+                pushes, bytes_in, bytes_out = self.traffic.take()
+                span = now - last_status
+                last_status = now
+                self.log(
+                    f"ivyplug serve: {self.members()} workers connected, {pushes / span:.1f} pushes/s, "
+                    f"in {_mb(bytes_in)}, out {_mb(bytes_out)} (last {span:.0f} s), version {self.version()}"
+                )
+
+    def close(self) -> None:
+        """Stop accepting, write a last snapshot, drop the members' groups. Idempotent."""
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        try:
+            self.snapshot()
+        finally:
+            for t in self._threads:
+                t.join(2.0)
+
+
+def check_options(
+    num_shards: object,
+    host: object,
+    port: object,
+    token: object,
+    num_workers: object,
+    state_dir: object,
+    snapshot_every: object,
+) -> None:
+    """ValueError naming the option and what is allowed (before anything listens)."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"--shards must be an int >= 1, got {num_shards!r}")
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"--host must be an address, got {host!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"--port must be in 0..65535 (0: any free port), got {port!r}")
+    if host not in LOOPBACK and not token:
+        raise ValueError(
+            f"--host {host} listens beyond this machine: give a --token (or IVYPLUG_TOKEN) that workers must prove"
+        )
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"--workers must be an int >= 0 (0: the first job's size), got {num_workers!r}")
+    if snapshot_every is not None:
+        if state_dir is None:
+            raise ValueError("--snapshot-every needs --state-dir (where the snapshots go)")
+        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, (int, float)) or snapshot_every <= 0:
+            raise ValueError(f"--snapshot-every must be a number of seconds > 0, got {snapshot_every!r}")
+
+
+def run_forever(service: PSService, stop: threading.Event) -> None:
+    """Serve until ``stop`` is set (the command's signal handlers set it), then close."""
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        service.close()
+        print(
+            "ivyplug serve: stopped" + (f" (snapshot in {service.state_dir})" if service.state_dir else ""),
+            file=sys.stderr,
+        )

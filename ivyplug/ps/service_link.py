@@ -1,0 +1,85 @@
+"""How a worker joins an ``ivyplug serve`` (``PSConfig(servers="host:port", token=...)``).
+
+:func:`connect` meets the service at its store, proves the token (auth.py) and forms this worker's two-rank
+gloo group with it; it learns the service's shard count, from which the worker builds its plan.
+:func:`join` then sends the job description and this worker's initial values (job_description.py): the
+first worker of a job creates the shards from them, a later one is checked against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ivyplug.ps import auth, typed_state
+from ivyplug.ps.config import PSConfig, parse_address
+from ivyplug.ps.endpoints import PSServerError, WireEndpoint, WireStats
+from ivyplug.ps.messages import Kind, bytes_to_words
+from ivyplug.ps.transport import Channel, PSTimeoutError
+
+
+class PSJoinRefused(ValueError):
+    """An ``ivyplug serve`` refused a worker's job (another model or optimizer, no free slot)."""
+
+
+@dataclass
+class ServiceLink:
+    """This worker's connection to an ``ivyplug serve``."""
+
+    address: str
+    store: Any
+    group: Any
+    channel: Channel
+    num_shards: int
+    member: int
+    slot: int = -1
+    num_workers: int = 0
+    created: bool = False
+
+
+def connect(cfg: PSConfig) -> ServiceLink:
+    """Meet the service at ``cfg.servers``, prove ``cfg.token``, form the pair group."""
+    assert cfg.servers is not None
+    host, port = parse_address(cfg.servers, "servers")
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=cfg.timeout))
+    except RuntimeError as exc:
+        raise PSTimeoutError(
+            f"no ivyplug serve answered at {cfg.servers} within {cfg.timeout:g} s (is it running? started with "
+            f"`ivyplug serve --shards K --port {port}`): {exc}"
+        ) from exc
+    member, prefix, verdict = auth.client_handshake(store, cfg.token, cfg.timeout, cfg.servers)
+    try:
+        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 1, 2, timedelta(seconds=cfg.timeout))
+    except RuntimeError as exc:
+        raise PSTimeoutError(f"could not connect to ivyplug serve at {cfg.servers}: {exc}") from exc
+    return ServiceLink(cfg.servers, store, group, Channel(group, 1, cfg.timeout), int(verdict["shards"]), member)
+
+
+def join(
+    link: ServiceLink,
+    description: dict[str, Any],
+    values: list[torch.Tensor],
+    slot: int,
+    job_size: int,
+    stats: WireStats,
+) -> None:
+    """Send JOIN; fills ``link.slot`` / ``num_workers`` / ``created`` (PSProtocolError if refused)."""
+    blob = typed_state.encode({"job": description, "values": values})
+    ep = WireEndpoint(link.channel, 0, -1, 0, stats)
+    words = bytes_to_words(blob)
+    pending = ep.request(Kind.JOIN, words, arg0=len(blob), arg1=slot, arg2=job_size, what="this worker's JOIN")
+    try:
+        h = pending.header(link.channel.timeout)
+    except PSServerError as exc:
+        raise PSJoinRefused(f"ivyplug serve at {link.address} refused this worker: {exc.text}") from None
+    link.slot, link.created, link.num_workers = h.arg0, bool(h.arg1), h.arg2
+
+
+def close(link: ServiceLink) -> None:
+    """Drop the pair group (a group made outside ``init_process_group`` closes when it is released)."""
+    link.group = None

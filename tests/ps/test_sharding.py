@@ -278,8 +278,9 @@ def test_thousand_tensor_plans_are_valid_balanced_and_unchanged() -> None:
 
 
 def test_thousand_similar_tensors_many_refine_moves_same_plan() -> None:
-    """1,000 tensors of 10k-20k elements: greedy leaves work for the local search (26 moves on 3 shards, 118
-    on 15); the result is balanced and the plan the quadratic rescan produced (digest taken there)."""
+    """1,000 tensors of 10k-20k elements: greedy leaves work for the local search (it moves 26 pieces to another
+    shard on 3 shards, 118 on 15); the result is balanced and the plan the quadratic rescan produced (digest
+    taken there)."""
     rng = random.Random(0)
     specs = [TensorSpec(f"t{i}", (rng.randint(10000, 20000),)) for i in range(1000)]
     plans = [build_plan(specs, m) for m in (3, 15)]

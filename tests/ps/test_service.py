@@ -1,0 +1,128 @@
+"""``ivyplug serve`` with real worker processes that join it by address (service_worker.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ps.service_harness import result, serve, workers
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_two_workers_train_then_a_new_run_continues_from_the_live_servers(tmp_path: Path) -> None:
+    with serve("--shards", "2", "--workers", "2", "--status-every", "1") as s, workers(tmp_path) as w:
+        a = w.start(s.address, "a", "--steps", "30")
+        b = w.start(s.address, "b", "--steps", "30", "--seed", "1")
+        for rc, text in w.wait():
+            assert rc == 0, text
+        ra, rb = result(a), result(b)
+        assert sorted([ra["slot"], rb["slot"]]) == [0, 1]
+        assert [ra["created"], rb["created"]].count(True) == 1  # one of them created the job
+        first = ra if ra["created"] else rb
+        for r in (ra, rb):
+            assert r["metrics"]["pushes"] == 30
+            assert r["end_loss"] < 0.5 * first["start_loss"]
+        s.wait_for("worker 0 left")
+        s.wait_for("worker 1 left")
+        # a warm restart: every worker has left; a new run of the same model continues from the servers' state
+        c = w.start(s.address, "c", "--steps", "2", "--seed", "7")
+        for rc, text in w.wait():
+            assert rc == 0, text
+        rc_ = result(c)
+        assert rc_["created"] is False
+        assert rc_["start_loss"] < 0.5 * first["start_loss"]  # not the fresh model (control: first's start)
+        line = s.wait_for("pushes/s")
+        assert "workers connected" in line and "MB" in line
+
+
+def test_a_wrong_token_or_another_model_is_refused_and_the_others_go_on(tmp_path: Path) -> None:
+    with serve("--shards", "1", "--workers", "2", "--token", "s3cret") as s, workers(tmp_path) as w:
+        good = w.start(s.address, "good", "--steps", "60", "--token", "s3cret", "--sleep", "0.02")
+        s.wait_for("worker 0 joined")
+        wrong = w.start(s.address, "wrong", "--token", "guess")
+        none = w.start(s.address, "none")
+        other = w.start(s.address, "other", "--token", "s3cret", "--hidden", "12")
+        codes = w.wait()
+        assert codes[0][0] == 0, codes[0][1]
+        assert all(rc == 3 for rc, _ in codes[1:]), codes
+        assert "PSAuthError" in result(wrong)["error"] and "token" in result(wrong)["error"]
+        assert "PSAuthError" in result(none)["error"]
+        err = result(other)["error"]
+        assert "PSJoinRefused" in err and "(12, 8)" in err and "(16, 8)" in err, err
+        assert result(good)["metrics"]["pushes"] == 60
+        assert "wrong token" in s.log()
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_killed_worker_leaves_the_others_training(tmp_path: Path, mode: str) -> None:
+    extra = ["--mode", mode] + (["--staleness", "1"] if mode == "ssp" else [])
+    with serve("--shards", "2", "--workers", "2", "--timeout", "20") as s, workers(tmp_path) as w:
+        alive = w.start(s.address, "alive", "--steps", "50", "--sleep", "0.02", *extra)
+        w.start(s.address, "dies", "--steps", "50", "--die-at", "5", "--seed", "1", *extra)
+        codes = w.wait()
+        assert codes[0][0] == 0, codes[0][1]
+        assert codes[1][0] == -signal.SIGKILL
+        r = result(alive)
+        assert r["metrics"]["pushes"] == 50  # ssp would block on the dead worker if it still counted
+        assert r["end_loss"] < r["start_loss"]
+        assert "is gone" in s.wait_for("is gone")
+
+
+def test_sync_mode_a_killed_worker_ends_the_others_with_an_error_naming_it(tmp_path: Path) -> None:
+    with serve("--shards", "1", "--workers", "2", "--timeout", "20") as s, workers(tmp_path) as w:
+        w.start(s.address, "alive", "--steps", "50", "--mode", "sync", "--timeout", "20")
+        w.start(s.address, "dies", "--steps", "50", "--die-at", "5", "--seed", "1", "--mode", "sync")
+        (rc, text), (rc2, _) = w.wait()
+        assert rc2 == -signal.SIGKILL
+        assert rc != 0
+        assert "is gone" in text and "worker" in text, text
+        s.wait_for("is gone")
+
+
+def test_state_dir_snapshots_and_a_restarted_serve_resumes(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    args = ("--shards", "2", "--workers", "1", "--state-dir", str(state), "--snapshot-every", "0.5")
+    with serve(*args) as s, workers(tmp_path) as w:
+        first = w.start(s.address, "first", "--steps", "30")
+        ((rc, text),) = w.wait()
+        assert rc == 0, text
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 0
+        assert (state / "job.ivys").exists()
+    r1 = result(first)
+    with serve(*args) as s, workers(tmp_path) as w:
+        assert "resumed at version 30" in s.wait_for("listening on")
+        again = w.start(s.address, "again", "--steps", "1")
+        ((rc, text),) = w.wait()
+        assert rc == 0, text
+    r2 = result(again)
+    assert r2["created"] is False
+    assert r2["start_loss"] == pytest.approx(r1["end_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--shards", "1", "--host", "0.0.0.0"], "--token"),
+        (["--shards", "0"], "--shards"),
+        (["--shards", "1", "--snapshot-every", "5"], "--state-dir"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_listens(args: list[str], message: str) -> None:
+    env = dict(os.environ)
+    env.pop("IVYPLUG_TOKEN", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ivyplug", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr and "listening" not in proc.stdout

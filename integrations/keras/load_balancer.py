@@ -26,9 +26,10 @@ The decisions are ivyplug's framework-free core (:mod:`ivyplug.load`): probes po
   ``ivy/batch_size``, ``ivy/lr_factor`` (current LR / LR at the start), ``ivy/utilization``,
   ``ivy/memory_fraction``, ``ivy/oom_count``, ``ivy/callback_overhead`` (this callback's hook time over
   the epoch's training time), the epoch mean of every probe reading as ``ivy/<key>``
-  (``ivy/cpu_util``, ``ivy/mem_used``, ``ivy/gpu0_util``, ...) and, with several workers,
-  ``ivy/worker{w}/utilization`` and ``ivy/worker{w}/memory_fraction``. With ``log_every_n_steps`` the
-  latest readings are also added to the batch logs every n steps.
+  (``ivy/cpu_util``, ``ivy/mem_used``, ``ivy/gpu0_util``, ...) and, per worker ``r``,
+  ``ivy/rank{r}/utilization``, ``ivy/rank{r}/memory_fraction`` and ``ivy/rank{r}/oom_count`` (the names the
+  Lightning twin logs). With ``log_every_n_steps`` the latest readings are also added to the batch logs every n
+  steps.
 
 Out of memory (:class:`ElasticDataset` input, Keras 3.15, TensorFlow backend): the callback wraps
 ``model.train_function`` for the duration of ``fit`` (installed in ``on_train_begin``, which Keras calls
@@ -72,6 +73,7 @@ costs one extra Python call and an integer increment.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -85,6 +87,7 @@ from ivyplug.integrations.keras.elastic import ElasticDataset
 from ivyplug.integrations.keras.micro_batches import MicroBatchStep, unsupported_reason
 
 from ivyplug.load import (
+    DEFAULT_PROBE_NAMES,
     BatchSizePolicy,
     LoadObservation,
     OutOfMemoryRecoveryError,
@@ -93,28 +96,23 @@ from ivyplug.load import (
     Sampler,
     ScriptedProbe,
     Stat,
+    default_batch_bounds,
+    default_probes,
     lr_factor,
+    make_probe,
     next_split,
     observation_from_summary,
     resolve_rule,
 )
 
-#: Probes polled when none are given (the torch allocator probe is for torch training).
-DEFAULT_PROBES: tuple[str, ...] = ("nvml", "psutil")
+#: Probes polled when none are given: the same as the Lightning twin's (the torch allocator probe reads
+#: nothing but an OOM count where torch has no CUDA device).
+DEFAULT_PROBES: tuple[str, ...] = DEFAULT_PROBE_NAMES
 _SLOT = 5  # per-worker observation: util, util known, memory fraction, memory known, oom count
 
 
-def _make_probe(spec: str | Mapping[str, Any] | Probe) -> Probe:
-    if isinstance(spec, Probe):
-        return spec
-    from ivyplug.registry import get_registry
-
-    if isinstance(spec, str):
-        return get_registry().get("probe", spec)()
-    if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
-        kwargs = {k: v for k, v in spec.items() if k != "name"}
-        return get_registry().get("probe", spec["name"])(**kwargs)
-    raise ValueError(f"probes must hold probe names, {{'name': ..., **kwargs}} dicts or Probe objects, got {spec!r}")
+def _policy_config(policy: BatchSizePolicy | None) -> dict[str, Any] | None:
+    return None if policy is None else dataclasses.asdict(policy)
 
 
 def _probe_config(spec: str | Mapping[str, Any] | Probe) -> str | dict[str, Any]:
@@ -137,20 +135,26 @@ def _inner_optimizer(model: Any) -> Any:
 class IvyLoadBalancer(keras.callbacks.Callback):
     """Adapt the global batch size (and learning rate) to device load during ``model.fit``.
 
+    The options both twins share (this one and ``ivyplug.integrations.lightning.IvyLoadBalancer``) have the same
+    names, defaults and meaning, so a config moves between them; ``dataset`` and ``device_index`` are Keras's own.
+
     Args:
         dataset: the :class:`ElasticDataset` that feeds ``fit``; without one the callback only monitors.
         probes: probe names from the registry (``"nvml"``, ``"psutil"``, ``"scripted"``...), ``{"name": ...,
             **kwargs}`` dicts or probe objects; default :data:`DEFAULT_PROBES`.
-        interval: seconds between background samples.
-        min_batch_size, max_batch_size: bounds of the global batch size (default: a quarter and four times
-            the initial one, within the data set size); rounded to multiples of the replica count.
+        interval: seconds between probe reads on the background thread.
+        adapt_batch_size: let the policy change the global batch size B (``False``: monitor, keep B).
+        min_batch_size, max_batch_size: bounds for B (default: one sample per replica, and 8 × the initial B,
+            within the data set size); rounded to multiples of the replica count.
         grow_factor, shrink_factor, grow_below_utilization, memory_low, memory_high, cooldown,
             min_relative_change: the :class:`~ivyplug.load.BatchSizePolicy` rules.
+        policy: a full :class:`~ivyplug.load.BatchSizePolicy` (overrides the bounds and the rules above).
         lr_scaling: ``"auto"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
-        device_index: the GPU index whose readings decide (``None``: host CPU and memory).
         log_every_n_steps: add the latest readings to the batch logs every n steps (``None``: epoch logs only).
+        oom_recovery: split a step that runs out of memory into micro-batches (``False``: the error stops ``fit``).
         oom_max_parts: the most micro-batches per replica a step that ran out of memory is split into
             before :class:`~ivyplug.load.OutOfMemoryRecoveryError` (1: no splitting).
+        device_index: the GPU index whose readings decide (``None``: host CPU and memory).
 
     Example::
 
@@ -170,6 +174,7 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         *,
         probes: Sequence[str | Mapping[str, Any] | Probe] | None = None,
         interval: float = 1.0,
+        adapt_batch_size: bool = True,
         min_batch_size: int | None = None,
         max_batch_size: int | None = None,
         grow_factor: float = 2.0,
@@ -179,10 +184,12 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         memory_high: float = 0.9,
         cooldown: int = 1,
         min_relative_change: float = 0.05,
+        policy: BatchSizePolicy | None = None,
         lr_scaling: str = "auto",
-        device_index: int | None = None,
         log_every_n_steps: int | None = None,
+        oom_recovery: bool = True,
         oom_max_parts: int = 8,
+        device_index: int | None = None,
     ) -> None:
         super().__init__()
         if dataset is not None and not isinstance(dataset, ElasticDataset):
@@ -202,6 +209,8 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 allowed = "an int" if name == "oom_max_parts" else "None or an int"
                 raise ValueError(f"{name} must be {allowed} >= {low}, got {value!r}")
+        if policy is not None and not isinstance(policy, BatchSizePolicy):
+            raise ValueError(f"policy must be an ivyplug.load.BatchSizePolicy, got {policy!r}")
         resolve_rule(lr_scaling, "SGD")  # validates the rule name
         self._policy_args: dict[str, Any] = {
             "grow_factor": grow_factor,
@@ -220,6 +229,9 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             if not isinstance(spec, (str, Mapping, Probe)):
                 raise ValueError(f"probes must hold names, dicts or Probe objects, got {spec!r}")
         self.interval = float(interval)
+        self.adapt_batch_size = bool(adapt_batch_size)
+        self.oom_recovery = bool(oom_recovery)
+        self._user_policy = policy
         self.min_batch_size = min_batch_size
         self.max_batch_size = max_batch_size
         self.lr_scaling = lr_scaling
@@ -258,13 +270,16 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         return {
             "probes": [_probe_config(p) for p in self.probe_specs],
             "interval": self.interval,
+            "adapt_batch_size": self.adapt_batch_size,
             "min_batch_size": self.min_batch_size,
             "max_batch_size": self.max_batch_size,
             **self._policy_args,
+            "policy": _policy_config(self._user_policy),
             "lr_scaling": self.lr_scaling,
-            "device_index": self.device_index,
             "log_every_n_steps": self.log_every_n_steps,
+            "oom_recovery": self.oom_recovery,
             "oom_max_parts": self.oom_max_parts,
+            "device_index": self.device_index,
         }
 
     @classmethod
@@ -276,7 +291,10 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"unknown IvyLoadBalancer config keys {unknown}; allowed: {sorted(known)}")
-        return cls(dataset, **dict(config))
+        kwargs = dict(config)
+        if isinstance(kwargs.get("policy"), Mapping):  # get_config writes the policy as its fields
+            kwargs["policy"] = BatchSizePolicy(**kwargs["policy"])
+        return cls(dataset, **kwargs)
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -294,9 +312,12 @@ class IvyLoadBalancer(keras.callbacks.Callback):
 
     def _build_policy(self) -> None:
         assert self.dataset is not None
-        b0 = self.dataset.batch_size
-        low = self._round(self.min_batch_size if self.min_batch_size is not None else max(1, b0 // 4))
-        high = self._round(self.max_batch_size if self.max_batch_size is not None else b0 * 4)
+        if self._user_policy is not None:
+            self.policy = self._user_policy
+            return
+        low, high = default_batch_bounds(self.dataset.batch_size, self._replicas())
+        low = self._round(self.min_batch_size if self.min_batch_size is not None else low)
+        high = self._round(self.max_batch_size if self.max_batch_size is not None else max(high, low))
         self.policy = BatchSizePolicy(min(low, high), max(low, high), **self._policy_args)
 
     def _current_lr(self) -> float:
@@ -339,8 +360,10 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             if self.policy is None:
                 self._build_policy()
         if self.sampler is None:
-            self.sampler = Sampler([_make_probe(p) for p in self.probe_specs], interval=self.interval)
-        if self.dataset is not None:
+            # the defaults skip a probe whose package is missing (torch_allocator without torch), as Lightning's do
+            built = default_probes() if self.probe_specs == list(DEFAULT_PROBES) else map(make_probe, self.probe_specs)
+            self.sampler = Sampler(list(built), interval=self.interval)
+        if self.dataset is not None and self.oom_recovery:
             self._install_step_guard()
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -391,12 +414,12 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             metrics["ivy/utilization"] = float(observation.utilization)
         if observation.memory_fraction is not None:
             metrics["ivy/memory_fraction"] = float(observation.memory_fraction)
-        if len(workers) > 1:
-            for w, obs in enumerate(workers):
-                if obs.utilization is not None:
-                    metrics[f"ivy/worker{w}/utilization"] = float(obs.utilization)
-                if obs.memory_fraction is not None:
-                    metrics[f"ivy/worker{w}/memory_fraction"] = float(obs.memory_fraction)
+        for r, obs in enumerate(workers):  # ivy/rank{r}/...: the Lightning twin's names
+            if obs.utilization is not None:
+                metrics[f"ivy/rank{r}/utilization"] = float(obs.utilization)
+            if obs.memory_fraction is not None:
+                metrics[f"ivy/rank{r}/memory_fraction"] = float(obs.memory_fraction)
+            metrics[f"ivy/rank{r}/oom_count"] = float(obs.oom_count)
         # Hook time over training time (epoch start to last batch, plus this hook); validation not counted.
         hooks = self._hook_s + (time.perf_counter() - t)
         metrics["ivy/callback_overhead"] = hooks / max(
@@ -462,6 +485,8 @@ class IvyLoadBalancer(keras.callbacks.Callback):
 
     def _decide(self, epoch: int, observation: LoadObservation) -> None:
         assert self.dataset is not None and self.policy is not None
+        if not self.adapt_batch_size:
+            return
         old = self.dataset.batch_size
         decision = self.policy.decide(old, observation, self.policy_state)
         self.policy_state = decision.state

@@ -29,7 +29,8 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,17 +44,33 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from ivyplug.load.batch_policy import BatchSizePolicy, PolicyState
+from ivyplug.load.batch_policy import BatchSizePolicy, PolicyState, default_batch_bounds
 from ivyplug.load.lr_scaling import check_rule, lr_factor, resolve_rule
 from ivyplug.load.observation import LoadObservation, combine_observations, observation_from_summary
 from ivyplug.load.probe import Probe
-from ivyplug.load.probes import default_probes
+from ivyplug.load.probes import DEFAULT_PROBE_NAMES, default_probes, make_probe
 from ivyplug.load.sampler import Sampler, Stat
 from ivyplug.load.share_model import next_shares
 from ivyplug.load.shares import worker_shares
 from ivyplug.load.torch_probe import TorchAllocatorProbe
 
 log = logging.getLogger(__name__)
+
+
+_warned: set[str] = set()
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    """One DeprecationWarning per process and old name: configs repeat the name, the message need not repeat."""
+    if old in _warned:
+        return
+    _warned.add(old)
+    warnings.warn(
+        f"IvyLoadBalancer({old}=...) is deprecated and will be removed in the next release; use {new}=... "
+        "(the name the Lightning and Keras twins share)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def _is_per_core(key: str) -> bool:
@@ -63,64 +80,99 @@ def _is_per_core(key: str) -> bool:
 class IvyLoadBalancer(Callback):
     """Load-aware batch size, per-rank shares, LR rescaling and OOM recovery for Lightning.
 
+    The options both twins share (this one and ``ivyplug.integrations.keras.IvyLoadBalancer``) have the same
+    names, defaults and meaning, so a config moves between them; ``balance_shares`` to ``seed`` are Lightning's own.
+
     Args:
-        probes: probe instances to sample (default: the registered ``nvml``, ``torch_allocator``,
-            ``psutil`` probes); a zero-argument callable returning them is accepted too, for spawn.
+        probes: probe names from the registry (``"nvml"``, ``"psutil"``, ``"scripted"``...), ``{"name": ...,
+            **kwargs}`` dicts or probe objects (default: :data:`~ivyplug.load.probes.DEFAULT_PROBE_NAMES`); a
+            zero-argument callable returning them is accepted too, for spawn.
         interval: seconds between probe reads on the background thread.
         adapt_batch_size: let the policy change the global batch size B.
-        min_batch_size, max_batch_size: bounds for B (defaults: the world size, and 8 × the initial B).
-        policy: a full :class:`~ivyplug.load.BatchSizePolicy` (overrides the two bounds).
+        min_batch_size, max_batch_size: bounds for B (default: one sample per rank, and 8 × the initial B).
+        grow_factor, shrink_factor, grow_below_utilization, memory_low, memory_high, cooldown,
+            min_relative_change: the :class:`~ivyplug.load.BatchSizePolicy` rules.
+        policy: a full :class:`~ivyplug.load.BatchSizePolicy` (overrides the bounds and the rules above).
+        lr_scaling: ``"auto"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
+        log_every_n_steps: metric logging period (default: the trainer's ``log_every_n_steps``).
+        oom_recovery: split a batch that runs out of memory into micro-batches.
+        oom_max_parts: the most micro-batches a batch that ran out of memory is split into before
+            :class:`~ivyplug.load.OutOfMemoryRecoveryError` (1: no splitting).
         balance_shares: split B across ranks by measured throughput (multi-process only).
         share_window: how many of a rank's most recent distinct shares its step-time fit uses (>= 2).
-        lr_scaling: ``"auto"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
         comm_hook: ``"compose"`` a user's ``ddp_comm_hook`` with the share weighting, or ``"refuse"`` it.
-        oom_recovery: split a batch that runs out of memory into micro-batches.
-        max_oom_splits: most micro-batches one batch may be split into before a clear error.
         loss_reduction: ``"mean"`` (micro-batch losses are weighted by their size) or ``"sum"``.
-        log_every_n_steps: metric logging period (default: the trainer's ``log_every_n_steps``).
         seed: permutation seed (default: the loader's ``DistributedSampler`` seed or ``PL_GLOBAL_SEED``).
+        max_oom_splits: deprecated name of ``oom_max_parts`` (kept for one release, with a DeprecationWarning).
     """
 
     def __init__(
         self,
         *,
-        probes: Sequence[Probe] | Callable[[], Sequence[Probe]] | None = None,
+        probes: Sequence[str | Mapping[str, Any] | Probe] | Callable[[], Sequence[Probe]] | None = None,
         interval: float = 1.0,
         adapt_batch_size: bool = True,
         min_batch_size: int | None = None,
         max_batch_size: int | None = None,
+        grow_factor: float = 2.0,
+        shrink_factor: float = 0.5,
+        grow_below_utilization: float = 70.0,
+        memory_low: float = 0.6,
+        memory_high: float = 0.9,
+        cooldown: int = 1,
+        min_relative_change: float = 0.05,
         policy: BatchSizePolicy | None = None,
+        lr_scaling: str = "auto",
+        log_every_n_steps: int | None = None,
+        oom_recovery: bool = True,
+        oom_max_parts: int = 8,
         balance_shares: bool = True,
         share_window: int = 4,
-        lr_scaling: str = "auto",
         comm_hook: str = "compose",
-        oom_recovery: bool = True,
-        max_oom_splits: int = 8,
         loss_reduction: str = "mean",
-        log_every_n_steps: int | None = None,
         seed: int | None = None,
+        max_oom_splits: int | None = None,
     ) -> None:
         super().__init__()
+        if max_oom_splits is not None:
+            _warn_renamed("max_oom_splits", "oom_max_parts")
+            oom_max_parts = max_oom_splits
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
             raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
         for name, value in (("min_batch_size", min_batch_size), ("max_batch_size", max_batch_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
         if min_batch_size is not None and max_batch_size is not None and max_batch_size < min_batch_size:
             raise ValueError(f"max_batch_size ({max_batch_size}) must be >= min_batch_size ({min_batch_size})")
         if policy is not None and not isinstance(policy, BatchSizePolicy):
             raise ValueError(f"policy must be an ivyplug.load.BatchSizePolicy, got {policy!r}")
+        self._policy_args: dict[str, Any] = {
+            "grow_factor": grow_factor,
+            "shrink_factor": shrink_factor,
+            "grow_below_utilization": grow_below_utilization,
+            "memory_low": memory_low,
+            "memory_high": memory_high,
+            "cooldown": cooldown,
+            "min_relative_change": min_relative_change,
+        }
+        BatchSizePolicy(1, 1, **self._policy_args)  # validates every rule now, not at the first epoch end
+        if not callable(probes) and probes is not None:
+            if isinstance(probes, (str, Mapping)):
+                raise ValueError(f"probes must be a list of names, dicts or Probe objects, got {probes!r}")
+            for spec in probes:
+                if not isinstance(spec, (str, Mapping, Probe)):
+                    raise ValueError(f"probes must hold names, dicts or Probe objects, got {spec!r}")
         if isinstance(share_window, bool) or not isinstance(share_window, int) or share_window < 2:
             raise ValueError(f"share_window must be an int >= 2 (a line needs two shares), got {share_window!r}")
         check_rule(lr_scaling)
         if comm_hook not in ("compose", "refuse"):
             raise ValueError(f"comm_hook must be 'compose' or 'refuse', got {comm_hook!r}")
-        if isinstance(max_oom_splits, bool) or not isinstance(max_oom_splits, int) or max_oom_splits < 2:
-            raise ValueError(f"max_oom_splits must be an int >= 2, got {max_oom_splits!r}")
+        if isinstance(oom_max_parts, bool) or not isinstance(oom_max_parts, int) or oom_max_parts < 1:
+            raise ValueError(f"oom_max_parts must be an int >= 1, got {oom_max_parts!r}")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ValueError(f"log_every_n_steps must be an int >= 1 or None, got {log_every_n_steps!r}")
+            raise ValueError(f"log_every_n_steps must be None or an int >= 1, got {log_every_n_steps!r}")
         self.probes = probes
         self.interval = float(interval)
         self.adapt_batch_size = adapt_batch_size
@@ -132,7 +184,7 @@ class IvyLoadBalancer(Callback):
         self.lr_scaling = lr_scaling
         self.comm_hook = comm_hook
         self.oom_recovery = oom_recovery
-        self.max_oom_splits = max_oom_splits
+        self.oom_max_parts = oom_max_parts
         self.loss_reduction = loss_reduction
         self.log_every_n_steps = log_every_n_steps
         self.seed = seed
@@ -180,6 +232,12 @@ class IvyLoadBalancer(Callback):
         self._reset_epoch()
 
     @property
+    def max_oom_splits(self) -> int:
+        """Deprecated name of :attr:`oom_max_parts`."""
+        _warn_renamed("max_oom_splits", "oom_max_parts")
+        return self.oom_max_parts
+
+    @property
     def hook_seconds(self) -> float:
         """All wall time this callback spent on the training thread (the sum of ``hook_breakdown``)."""
         return sum(self.hook_breakdown.values())
@@ -193,7 +251,9 @@ class IvyLoadBalancer(Callback):
         self._world = trainer.world_size
         self._rank = trainer.global_rank
         probes = self.probes() if callable(self.probes) else self.probes
-        self._sampler = Sampler(default_probes() if probes is None else list(probes), interval=self.interval)
+        # the defaults skip a probe whose package is missing; a probe asked for by name must exist
+        built = default_probes(DEFAULT_PROBE_NAMES) if probes is None else [make_probe(p) for p in probes]
+        self._sampler = Sampler(built, interval=self.interval)
         trainer_any: Any = trainer  # these Trainer attributes are set in __init__ by connectors (untyped)
         if trainer_any.reload_dataloaders_every_n_epochs != 1:
             log.info("IvyLoadBalancer: reloading training loaders every epoch (reload_dataloaders_every_n_epochs=1)")
@@ -261,7 +321,7 @@ class IvyLoadBalancer(Callback):
         elif self._user_hook is not None:
             raise RuntimeError("a ddp_comm_hook was given but the model is not wrapped in DistributedDataParallel")
         if self.oom_recovery and pl_module.automatic_optimization:
-            self._oom = OOMRecovery(trainer, pl_module, self.max_oom_splits, self.loss_reduction, self._count_oom)
+            self._oom = OOMRecovery(trainer, pl_module, self.oom_max_parts, self.loss_reduction, self._count_oom)
 
     # ------------------------------------------------------------------ the loader
     def _monitor_only(self, reason: str) -> None:
@@ -412,9 +472,10 @@ class IvyLoadBalancer(Callback):
         if self.policy is not None:
             return self.policy
         assert self.batch_size is not None
-        low = self.min_batch_size if self.min_batch_size is not None else self._world
-        high = self.max_batch_size if self.max_batch_size is not None else max(8 * self.batch_size, low)
-        self.policy = BatchSizePolicy(min_batch_size=max(low, self._world), max_batch_size=max(high, low, self._world))
+        low, high = default_batch_bounds(self.batch_size, self._world)
+        low = self.min_batch_size if self.min_batch_size is not None else low
+        high = self.max_batch_size if self.max_batch_size is not None else max(high, low)
+        self.policy = BatchSizePolicy(max(low, self._world), max(high, low, self._world), **self._policy_args)
         return self.policy
 
     def _decide(self, records: list[dict[str, Any]]) -> dict[str, Any]:

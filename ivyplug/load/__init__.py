@@ -11,7 +11,7 @@ Keras callbacks apply. Nothing here imports a framework at import time.
 from __future__ import annotations
 
 from ivyplug.load.batch_plan import EpochPlan, plan_epoch, step_sizes
-from ivyplug.load.batch_policy import BatchSizePolicy, Decision, PolicyState
+from ivyplug.load.batch_policy import BatchSizePolicy, Decision, PolicyState, default_batch_bounds
 from ivyplug.load.device_choice import (
     DeviceLoad,
     NoDeviceAvailableError,
@@ -30,7 +30,7 @@ from ivyplug.load.observation import (
 )
 from ivyplug.load.oom import OutOfMemoryRecoveryError, batch_length, is_oom_error, next_split, part_sizes, split_batch
 from ivyplug.load.probe import Probe, Readings, merge_readings
-from ivyplug.load.probes import available_probes, default_probes
+from ivyplug.load.probes import DEFAULT_PROBE_NAMES, available_probes, default_probes, make_probe
 from ivyplug.load.psutil_probe import PsutilProbe
 from ivyplug.load.sampler import Sampler, Stat
 from ivyplug.load.scripted_probe import ScriptedProbe
@@ -39,6 +39,7 @@ from ivyplug.load.shares import gradient_weights, measured_speeds, smooth_speeds
 from ivyplug.load.torch_probe import TorchAllocatorProbe
 
 __all__ = [
+    "DEFAULT_PROBE_NAMES",
     "RULES",
     "BatchSizePolicy",
     "Decision",
@@ -60,6 +61,7 @@ __all__ = [
     "available_probes",
     "batch_length",
     "combine_observations",
+    "default_batch_bounds",
     "default_probes",
     "devices_from_readings",
     "fit_step_time",
@@ -68,6 +70,7 @@ __all__ = [
     "least_loaded",
     "lr_factor",
     "lr_rule_for",
+    "make_probe",
     "measured_speeds",
     "merge_readings",
     "min_max_shares",

@@ -46,6 +46,17 @@ class Decision:
     state: PolicyState
 
 
+#: Default bounds of the global batch size B, shared by both ``IvyLoadBalancer`` twins: down to one sample per
+#: replica (an OOM may need that much room), up to this many times the initial B.
+DEFAULT_MAX_BATCH_FACTOR = 8
+
+
+def default_batch_bounds(initial: int, replicas: int = 1) -> tuple[int, int]:
+    """``(min, max)`` for B when the user gives neither: ``replicas`` and ``DEFAULT_MAX_BATCH_FACTOR`` × ``initial``."""
+    low = max(1, replicas)
+    return low, max(DEFAULT_MAX_BATCH_FACTOR * initial, low)
+
+
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from ivyplug.load.probe import Probe
 
 log = logging.getLogger(__name__)
 
-#: Probes worth polling by default: they need no arguments (``scripted`` needs a trace).
+#: Probes worth polling by default: they need no arguments (``scripted`` needs a trace). Both
+#: ``IvyLoadBalancer`` twins poll these when given no ``probes``.
 DEFAULT_PROBE_NAMES: tuple[str, ...] = ("nvml", "torch_allocator", "psutil")
 
 
@@ -31,3 +34,20 @@ def default_probes(names: tuple[str, ...] = DEFAULT_PROBE_NAMES) -> list[Probe]:
 def available_probes(names: tuple[str, ...] = DEFAULT_PROBE_NAMES) -> list[Probe]:
     """The default probes that report themselves available on this machine."""
     return [p for p in default_probes(names) if p.available()]
+
+
+def make_probe(spec: str | Mapping[str, Any] | Probe) -> Probe:
+    """A probe from a registry name, a ``{"name": ..., **kwargs}`` dict or a probe object (returned as is).
+
+    Names and dicts let a load balancer's probes live in a config file (LightningCLI YAML, Keras ``get_config``).
+    """
+    if isinstance(spec, Probe):
+        return spec
+    from ivyplug.registry import get_registry
+
+    if isinstance(spec, str):
+        return get_registry().get("probe", spec)()
+    if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+        kwargs = {k: v for k, v in spec.items() if k != "name"}
+        return get_registry().get("probe", spec["name"])(**kwargs)
+    raise ValueError(f"probes must hold probe names, {{'name': ..., **kwargs}} dicts or Probe objects, got {spec!r}")

@@ -178,6 +178,9 @@ def test_monitoring_only_and_learning_rate_schedule(digits: Any) -> None:
         history = model.fit(x, y, batch_size=64, epochs=1, callbacks=[balancer], verbose=0, shuffle=False)
     assert "ivy/batch_size" not in history.history
     assert history.history["ivy/utilization"] == [10.0]
+    # per-worker values under the Lightning twin's names, one worker included
+    assert history.history["ivy/rank0/utilization"] == [10.0] and history.history["ivy/rank0/oom_count"] == [0.0]
+    assert not any(key.startswith("ivy/worker") for key in history.history)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=10, decay_rate=0.9)
     scheduled = _model(keras.optimizers.Adam(schedule))
     data = ElasticDataset(x, y, batch_size=32)

@@ -175,13 +175,13 @@ def test_mwms_fit_fails_without_fixes_and_trains_identically_with_them(tmp_path:
     # IvyLoadBalancer: the same decisions on both workers, from both workers' loads.
     ivy0, ivy1 = results[0]["ivy"], results[1]["ivy"]
     decided = ("ivy/batch_size", "ivy/lr_factor", "ivy/utilization", "ivy/memory_fraction", "ivy/oom_count")
-    for key in (*decided, "ivy/worker0/memory_fraction", "ivy/worker1/memory_fraction"):
+    for key in (*decided, "ivy/rank0/memory_fraction", "ivy/rank1/memory_fraction"):
         assert ivy0[key] == ivy1[key], key
     assert ivy0["ivy/mem_used"] != ivy1["ivy/mem_used"]  # raw readings stay per worker
     assert ivy0["ivy/batch_size"] == [16.0, 32.0, 16.0]
     assert ivy0["ivy/lr_factor"] == pytest.approx([1.0, 2**0.5, 1.0])
-    assert ivy0["ivy/worker0/memory_fraction"] == pytest.approx([0.3, 0.7, 0.7])
-    assert ivy0["ivy/worker1/memory_fraction"] == pytest.approx([0.3, 0.95, 0.7])
+    assert ivy0["ivy/rank0/memory_fraction"] == pytest.approx([0.3, 0.7, 0.7])
+    assert ivy0["ivy/rank1/memory_fraction"] == pytest.approx([0.3, 0.95, 0.7])
     np.testing.assert_array_equal(results[0]["balanced_weights"], results[1]["balanced_weights"])
 
 

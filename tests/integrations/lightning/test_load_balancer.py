@@ -129,7 +129,7 @@ def test_oom_is_recovered_with_the_same_result_and_no_lost_samples() -> None:
 
 def test_oom_beyond_the_split_limit_is_a_clear_error() -> None:
     model = DigitsMLP(batch_size=32, n=64, oom_above=0)
-    cb = IvyLoadBalancer(probes=[ScriptedProbe([BAND])], interval=0.05, max_oom_splits=4)
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([BAND])], interval=0.05, oom_max_parts=4)
     with pytest.raises(OutOfMemoryRecoveryError, match="4 micro-batches"):
         _fit(model, cb, max_epochs=1)
 
@@ -156,7 +156,7 @@ def test_bad_arguments_name_the_parameter() -> None:
         ({"lr_scaling": "cubic"}, "lr_scaling"),
         ({"comm_hook": "ignore"}, "comm_hook"),
         ({"min_batch_size": 8, "max_batch_size": 4}, "max_batch_size"),
-        ({"max_oom_splits": 1}, "max_oom_splits"),
+        ({"oom_max_parts": 0}, "oom_max_parts"),
         ({"share_window": 1}, "share_window"),
     ):
         with pytest.raises(ValueError, match=match):

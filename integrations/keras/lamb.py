@@ -30,7 +30,7 @@ _INT_COUNTER_DTYPE = "int"  # int64 on TensorFlow, int32 on JAX (the base class'
 
 
 def _check_patterns(name: str, patterns: Sequence[str] | None) -> tuple[str, ...]:
-    """Validate a list of regular expressions matched against variable paths."""
+    """Validate a list of regular expressions matched against variable paths (as the torch twin does)."""
     if patterns is None:
         return ()
     if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
@@ -43,6 +43,14 @@ def _check_patterns(name: str, patterns: Sequence[str] | None) -> tuple[str, ...
         except re.error as exc:
             raise ValueError(f"{name} holds an invalid regular expression {pattern!r}: {exc}") from None
     return tuple(patterns)
+
+
+def matches_any(patterns: Sequence[str], name: str) -> bool:
+    """Whether any pattern is found in ``name`` (:func:`re.search`): the rule of ``ivyplug.optim.lamb_param_groups``.
+
+    Kept apart from the torch module (which imports torch); a test holds the two to the same answers.
+    """
+    return any(re.search(pattern, name) for pattern in patterns)
 
 
 def _check_number(
@@ -97,10 +105,12 @@ class LAMB(keras.optimizers.Optimizer):
     * The *ratio* is clipped (not the norms); the fallback ratio 1 (‖x‖ or ‖u‖ zero or not finite) is not clipped.
     * ``max_grad_norm`` clips all gradients by their global norm after the cross-replica sum
       with ``clip_grad_norm_``'s coefficient: g ← g · min(1, max_grad_norm / (‖g‖ + 1e-6)).
-    * ``exclude_from_layer_adaptation`` / ``exclude_from_weight_decay`` are regular expressions searched
-      in each variable's path (``"dense_1/bias"``): matching variables get ratio 1 / no decay. The base
-      class's ``exclude_from_weight_decay(var_list=..., var_names=...)`` method, called before the
-      optimizer is built, is honoured as well.
+    * ``exclude_from_layer_adaptation`` / ``exclude_from_weight_decay`` are lists of regular expressions, each
+      searched anywhere in a variable's path (``re.search``, so ``"bias"`` matches ``"dense_1/bias"``): matching
+      variables get ratio 1 / no decay. This is the rule of Keras's own ``exclude_from_weight_decay(var_names=...)``
+      (also honoured, with ``var_list=...``, when called before the optimizer is built) and of the torch
+      ``lamb_param_groups`` options of the same names, which match qualified parameter names (``"0.bias"``). A
+      path begins with the model's name (``"sequential/dense_1/bias"``), so a ``^`` anchor means something else here.
     * Non-finite gradients: if any aggregated gradient holds a NaN or an infinity (or their global norm
       overflows), the whole step is skipped (no variable, moment or bias-correction step changes) and
       :attr:`skipped_steps` counts it. ``iterations`` still advances, as for every Keras optimizer; bias
@@ -191,10 +201,10 @@ class LAMB(keras.optimizers.Optimizer):
         adapt, decay = [], []
         for variable in var_list:
             path = _variable_path(variable)
-            adapt.append(not any(re.search(p, path) for p in self.layer_adaptation_patterns))
+            adapt.append(not matches_any(self.layer_adaptation_patterns, path))
             decay.append(
                 self.lamb_weight_decay > 0
-                and not any(re.search(p, path) for p in self.weight_decay_patterns)
+                and not matches_any(self.weight_decay_patterns, path)
                 and self._use_weight_decay(variable)
             )
         # Tuples of plain bools: Keras's tracker leaves them alone.

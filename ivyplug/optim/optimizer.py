@@ -102,8 +102,10 @@ class LAMB(torch.optim.Optimizer):
     ``x ← x − η·clip(‖x‖/‖u‖, min_trust_ratio, max_trust_ratio)·u`` (ratio 1 when a norm is 0).
 
     Param groups may set ``exclude_from_layer_adaptation=True`` (ratio 1) and ``weight_decay=0.0``; build them
-    with :func:`ivyplug.optim.lamb_param_groups`. See the module docstring for the NaN/Inf, clipping and kernel
-    policies; :meth:`trust_ratios` returns the ratios of the last step.
+    with :func:`ivyplug.optim.lamb_param_groups`, whose ``exclude_from_weight_decay`` /
+    ``exclude_from_layer_adaptation`` name patterns follow the Keras LAMB's rule (regular expressions searched in
+    the name). See the module docstring for the NaN/Inf, clipping and kernel policies; :meth:`trust_ratios`
+    returns the ratios of the last step.
     """
 
     def __init__(

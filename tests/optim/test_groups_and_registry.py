@@ -44,7 +44,9 @@ def test_param_groups_exclude_1d_by_default() -> None:
 
 def test_param_groups_patterns_and_predicates() -> None:
     model = _Net()
-    adapted, excluded = lamb_param_groups(model, exclude=["embed.*"])
+    adapted, excluded = lamb_param_groups(
+        model, exclude_from_weight_decay=["^embed"], exclude_from_layer_adaptation=["^embed"]
+    )
     assert _names(model, adapted["params"]) == {"fc.weight", "head.weight"}
     assert "embed.weight" in _names(model, excluded["params"])
     (only,) = lamb_param_groups(model, exclude_1d=False)

@@ -97,3 +97,15 @@ def test_python_m_ivyplug_env(tmp_path: Path) -> None:
     text = run()
     assert text.startswith(f"ivyplug {ivyplug.__version__}") and "start-up hooks:" in text and "NVML:" in text
     assert "ps.nonfinite" in text and "environment variable IVYPLUG_PS_NONFINITE" in text
+
+
+def test_the_module_imports_no_framework() -> None:
+    code = (
+        "import sys, ivyplug.commands.env as e; e.collect(); "
+        "print(sorted(m for m in ('torch', 'lightning', 'keras', 'tensorflow') if m in sys.modules))"
+    )
+    environ = {**os.environ, "IVYPLUG_DISABLE_LIGHTNING_AUTOREGISTER": "1", "IVYPLUG_DISABLE_KERAS_AUTOREGISTER": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=environ
+    )
+    assert out.stdout.strip() == "[]"

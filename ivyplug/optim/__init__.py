@@ -1,6 +1,6 @@
-"""ivyplug's torch optimizers: :class:`LAMB`, :class:`AsyncLAMB` (LAMB + delta averaging through the PS),
-:class:`DelayedNesterov` (an outer optimizer for delta merges), the functional form :func:`lamb`, and
-:func:`lamb_param_groups`.
+"""ivyplug's torch optimizers: :class:`LAMB`, :class:`LocalUpdates` (any optimizer + deltas merged through the PS
+by an outer optimizer), :class:`AsyncLAMB` (LAMB in that wrapper), :class:`DelayedNesterov` (an outer optimizer),
+the functional form :func:`lamb`, and :func:`lamb_param_groups`.
 
 Attributes load lazily (PEP 562), so that the registry can import :mod:`ivyplug.optim.plugin` without torch.
 """
@@ -14,15 +14,17 @@ if TYPE_CHECKING:
     from ivyplug.optim.async_lamb import AsyncLAMB
     from ivyplug.optim.functional import lamb
     from ivyplug.optim.groups import lamb_param_groups
+    from ivyplug.optim.local_updates import LocalUpdates
     from ivyplug.optim.optimizer import LAMB
     from ivyplug.optim.outer import DelayedNesterov
 
-__all__ = ["LAMB", "AsyncLAMB", "DelayedNesterov", "lamb", "lamb_param_groups"]
+__all__ = ["LAMB", "AsyncLAMB", "DelayedNesterov", "LocalUpdates", "lamb", "lamb_param_groups"]
 
 _LAZY: dict[str, str] = {
     "LAMB": "ivyplug.optim.optimizer:LAMB",
     "AsyncLAMB": "ivyplug.optim.async_lamb:AsyncLAMB",
     "DelayedNesterov": "ivyplug.optim.outer:DelayedNesterov",
+    "LocalUpdates": "ivyplug.optim.local_updates:LocalUpdates",
     "lamb": "ivyplug.optim.functional:lamb",
     "lamb_param_groups": "ivyplug.optim.groups:lamb_param_groups",
 }

@@ -13,14 +13,21 @@ policy like any push.
 async/ssp (once every worker pushed, the global copy moved by the mean of their deltas). A delta with a
 NaN/Inf is dropped whole by the PS (``nonfinite="skip"``, counted in ``discarded``; in sync mode it counts
 zero local steps) or stops training (``"raise"``); either way nothing non-finite reaches the servers, and
-after a drop the worker restarts from the global copy. Used by ``ivyplug.optim.AsyncLAMB`` and the Keras
-``AsyncLAMB``.
+after a drop the worker restarts from the global copy. Used by ``ivyplug.optim.LocalUpdates`` (and so
+``AsyncLAMB``) and the Keras ``AsyncLAMB``.
+
+Outer optimizers (:class:`OuterRule`, docs/design.md "Outer optimizers"): the merge above is
+``outer="average"``. ``"nesterov"`` mirrors Nesterov SGD over the pseudo-gradient (DiLoCo's outer step;
+with ``outer_momentum_every`` > 1 the delayed Nesterov update, :class:`ivyplug.optim.DelayedNesterov`), and
+``"lamb"`` mirrors LAMB over it, whose clipped layer-wise trust ratio bounds how far one merge moves a layer.
+The servers build whichever optimizer :meth:`OuterRule.build` returns, as they build any optimizer.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,28 +53,157 @@ def check_sync_every(value: object) -> int:
     return value
 
 
+#: The outer optimizers a delta can be merged with (:class:`OuterRule`).
+OUTERS = ("average", "nesterov", "lamb")
+
+#: ``outer_lr=None``: DiLoCo's outer learning rate for Nesterov; for LAMB, whose step moves every layer by about
+#: ``outer_lr · ‖x‖`` whatever the delta's size, 1% of each layer's norm per merge (divided by the number of
+#: workers in async/ssp, where each merge carries one worker's delta).
+DEFAULT_OUTER_LR = {"nesterov": 0.7, "lamb": 0.01}
+
+#: LAMB's second-moment decay and ε for ``outer="lamb"`` (β1 is ``outer_momentum``).
+OUTER_LAMB_BETA2 = 0.999
+OUTER_LAMB_EPS = 1e-6
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class OuterRule:
+    """How the servers merge a pushed delta Δ: the outer optimizer they step with the pseudo-gradient g = −Δ.
+
+    The formulas are in docs/design.md ("Outer optimizers"). ``None`` values pick per consistency mode in
+    :meth:`build`; a number is used as given. Every value is checked here (ValueError naming it).
+
+    Args:
+        outer: ``"average"`` (SGD with lr ``merge_rate``: ``x ← x + merge_rate · Δ``), ``"nesterov"``
+            (Nesterov SGD, DiLoCo's outer step) or ``"lamb"`` (LAMB with a clipped layer-wise trust ratio).
+        merge_rate: ``"average"`` only; ``None``: 1.0 in sync mode, 1/num_workers in async/ssp.
+        outer_lr: ``"nesterov"``/``"lamb"`` only; ``None``: 0.7 for nesterov, 0.01 for lamb in sync mode and
+            0.01/num_workers in async/ssp.
+        outer_momentum: Nesterov's β, LAMB's β1 (β2 = 0.999), in [0, 1).
+        outer_momentum_every: ``"nesterov"`` only: N, merges per momentum update (delayed Nesterov, see
+            :class:`ivyplug.optim.DelayedNesterov`); ``None``: 1 in sync mode, num_workers in async/ssp.
+        max_trust_ratio: ``"lamb"`` only: the upper clip of the trust ratio (> 0, ``inf`` allowed).
+
+    Example:
+        >>> import torch
+        >>> from ivyplug.ps.delta_exchange import OuterRule
+        >>> rule = OuterRule("nesterov")
+        >>> type(rule.build([torch.zeros(3)], "async", 4)).__name__  # momentum once per 4 merges
+        'DelayedNesterov'
+        >>> rule.build([torch.zeros(3)], "sync", 4).defaults["nesterov"]  # one merge per round: torch's SGD
+        True
+    """
+
+    outer: str = "average"
+    merge_rate: float | None = None
+    outer_lr: float | None = None
+    outer_momentum: float = 0.9
+    outer_momentum_every: int | None = None
+    max_trust_ratio: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.outer not in OUTERS:
+            raise ValueError(f"outer must be 'average', 'nesterov' or 'lamb', got {self.outer!r}")
+        object.__setattr__(self, "merge_rate", check_merge_rate(self.merge_rate))
+        lr = self.outer_lr
+        if lr is not None and (not _is_number(lr) or not math.isfinite(lr) or lr <= 0):
+            raise ValueError(f"outer_lr must be None or a finite number > 0, got {lr!r}")
+        beta = self.outer_momentum
+        if not _is_number(beta) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"outer_momentum must be a number in [0, 1), got {beta!r}")
+        every = self.outer_momentum_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"outer_momentum_every must be None or an int >= 1, got {every!r}")
+        mtr = self.max_trust_ratio
+        if not _is_number(mtr) or not mtr > 0:
+            raise ValueError(f"max_trust_ratio must be a number > 0 (inf allowed), got {mtr!r}")
+        if self.merge_rate is not None and self.outer != "average":
+            raise ValueError(
+                f"merge_rate applies to outer='average' only (got outer={self.outer!r}, whose step size is outer_lr)"
+            )
+        if lr is not None and self.outer == "average":
+            raise ValueError("outer_lr applies to outer='nesterov' or 'lamb'; outer='average' merges with merge_rate")
+        if every is not None and self.outer != "nesterov":
+            raise ValueError(f"outer_momentum_every applies to outer='nesterov' only (got outer={self.outer!r})")
+        object.__setattr__(self, "outer_lr", None if lr is None else float(lr))
+        object.__setattr__(self, "outer_momentum", float(beta))
+        object.__setattr__(self, "max_trust_ratio", float(mtr))
+
+    def build(self, params: Sequence[Tensor], mode: str, num_workers: int) -> torch.optim.Optimizer:
+        """The outer optimizer over ``params`` for ``mode`` with ``num_workers`` workers (what the servers mirror)."""
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if mode not in ("sync", "async", "ssp"):
+            raise ValueError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
+        share = 1.0 if mode == "sync" else 1.0 / num_workers  # one merge's part of a round of W merges
+        params = list(params)
+        if self.outer == "average":
+            rate = self.merge_rate if self.merge_rate is not None else share
+            return torch.optim.SGD(params, lr=rate)
+        beta = self.outer_momentum
+        if self.outer == "nesterov":
+            lr = self.outer_lr if self.outer_lr is not None else DEFAULT_OUTER_LR["nesterov"]
+            every = self.outer_momentum_every
+            if every is None:
+                every = 1 if mode == "sync" else num_workers
+            if every > 1:
+                from ivyplug.optim.outer import DelayedNesterov
+
+                return DelayedNesterov(params, lr=lr, momentum=beta, momentum_every=every)
+            if beta == 0.0:  # torch refuses nesterov=True without momentum; the step is the same plain SGD
+                return torch.optim.SGD(params, lr=lr)
+            return torch.optim.SGD(params, lr=lr, momentum=beta, nesterov=True)
+        from ivyplug.optim.optimizer import LAMB
+
+        lr = self.outer_lr if self.outer_lr is not None else DEFAULT_OUTER_LR["lamb"] * share
+        return LAMB(
+            params,
+            lr=lr,
+            betas=(beta, OUTER_LAMB_BETA2),
+            eps=OUTER_LAMB_EPS,
+            weight_decay=0.0,
+            bias_correction=True,
+            max_trust_ratio=self.max_trust_ratio,
+            min_trust_ratio=0.0,
+        )
+
+
 class DeltaExchange:
     """Measures a worker's progress since its last pull and exchanges it through a :class:`PSClient`."""
 
-    def __init__(self, params: Sequence[Tensor], merge_rate: float | None = None) -> None:
+    def __init__(
+        self, params: Sequence[Tensor], merge_rate: float | None = None, rule: OuterRule | None = None
+    ) -> None:
         self.params = list(params)
-        self.merge_rate = check_merge_rate(merge_rate)
-        self.outer: torch.optim.SGD | None = None
+        merge_rate = check_merge_rate(merge_rate)
+        if rule is None:
+            rule = OuterRule(merge_rate=merge_rate)
+        elif merge_rate is not None and merge_rate != rule.merge_rate:
+            raise ValueError(f"merge_rate {merge_rate!r} differs from the rule's {rule.merge_rate!r}")
+        self.rule = rule
+        self.outer: torch.optim.Optimizer | None = None
         self.client: PSClient | None = None
         self.snapshot: list[Tensor] = []
         self.exchanges = 0
         self.discarded = 0
 
-    def outer_optimizer(self, mode: str, num_workers: int) -> torch.optim.SGD:
-        """The optimizer the servers mirror (pass it as ``optimizer=`` to ``PSClient.start``)."""
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-        if mode not in ("sync", "async", "ssp"):
-            raise ValueError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
-        rate = self.merge_rate
-        if rate is None:
-            rate = 1.0 if mode == "sync" else 1.0 / num_workers
-        self.outer = torch.optim.SGD(self.params, lr=rate)
+    @property
+    def merge_rate(self) -> float | None:
+        """The rule's ``merge_rate`` (``outer="average"``; None otherwise or when it picks per mode)."""
+        return self.rule.merge_rate
+
+    def outer_optimizer(self, mode: str, num_workers: int, rule: OuterRule | None = None) -> torch.optim.Optimizer:
+        """The optimizer the servers mirror (pass it as ``optimizer=`` to ``PSClient.start``).
+
+        ``rule``: merge with this rule from now on (default: the one this exchange holds).
+        """
+        if rule is not None:
+            self.rule = rule
+        self.outer = self.rule.build(self.params, mode, num_workers)
         return self.outer
 
     def attach(self, client: PSClient) -> None:

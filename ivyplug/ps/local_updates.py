@@ -1,4 +1,7 @@
-"""The protocol through which an optimizer with local updates works with the PS (``AsyncLAMB``, ...).
+"""The protocol through which an optimizer with local updates works with the PS.
+
+``ivyplug.optim.LocalUpdates`` (any torch optimizer in a local-update wrapper) and so ``AsyncLAMB`` implement it;
+the outer optimizer it returns is the one ``outer=`` chose (``ivyplug.ps.delta_exchange.OuterRule``).
 
 Such an optimizer steps on the worker and exchanges its progress with the servers itself, every few
 steps. A training loop (the Lightning strategy, a Keras callback) needs only these four calls: start the

@@ -1,8 +1,10 @@
 """Keras ``AsyncLAMB``: LAMB with local steps and delta averaging through ivyplug's parameter server.
 
 The twin of :class:`ivyplug.optim.AsyncLAMB`: each worker takes ``sync_every`` local LAMB steps from the
-global copy it last pulled, pushes its delta, and the servers merge it (:mod:`ivyplug.ps.delta_exchange`:
-``x ← x + merge_rate · Δ``, merge_rate 1 in sync mode and 1/num_workers in async/ssp by default).
+global copy it last pulled, pushes its delta, and the servers merge it with the outer optimizer chosen by
+``outer`` (:mod:`ivyplug.ps.delta_exchange`; by default ``"average"``: ``x ← x + merge_rate · Δ``, merge_rate 1
+in sync mode and 1/num_workers in async/ssp; ``"nesterov"`` and ``"lamb"`` as for the torch AsyncLAMB, built by
+the same code).
 
 Keras runs the optimizer inside a compiled train step, so the exchange — Python, torch.distributed — runs in
 :class:`AsyncLAMBExchange`, a callback that ``fit`` calls between steps. The workers are separate Keras
@@ -36,8 +38,10 @@ class AsyncLAMB(LAMB):
     """LAMB (Keras) whose workers average their progress through the PS every ``sync_every`` steps.
 
     Args: :class:`~ivyplug.integrations.keras.LAMB`'s, plus ``sync_every`` (local steps between two
-    exchanges, >= 1) and ``merge_rate`` (``None``: 1.0 in sync mode, 1/num_workers in async/ssp).
-    The exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
+    exchanges, >= 1), ``merge_rate`` (``outer="average"``; ``None``: 1.0 in sync mode, 1/num_workers in
+    async/ssp) and the outer optimizer's ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_momentum_every``
+    (names, defaults and meaning as for :class:`ivyplug.optim.AsyncLAMB`; ``outer="lamb"`` clips its trust
+    ratio to ``max_trust_ratio``). The exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
 
     Example:
         >>> import keras
@@ -51,20 +55,57 @@ class AsyncLAMB(LAMB):
         4
     """
 
-    def __init__(self, *args: Any, sync_every: int = 4, merge_rate: float | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        sync_every: int = 4,
+        merge_rate: float | None = None,
+        outer: str = "average",
+        outer_lr: float | None = None,
+        outer_momentum: float = 0.9,
+        outer_momentum_every: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         # Imported here, not at the top: Keras imports this module to register the class (see
         # .autoregister), and ivyplug.ps.delta_exchange loads torch.
-        from ivyplug.ps.delta_exchange import check_merge_rate, check_sync_every
+        from ivyplug.ps.delta_exchange import OuterRule, check_merge_rate, check_sync_every
 
         sync_every = check_sync_every(sync_every)
         merge_rate = check_merge_rate(merge_rate)
+        rule = OuterRule(outer, merge_rate, outer_lr, outer_momentum, outer_momentum_every)  # checked before fit
         super().__init__(*args, **kwargs)
         self.sync_every = sync_every
         self.merge_rate = merge_rate
+        self.outer = rule.outer
+        self.outer_lr = rule.outer_lr
+        self.outer_momentum = rule.outer_momentum
+        self.outer_momentum_every = rule.outer_momentum_every
+
+    def outer_rule(self) -> Any:
+        """The :class:`ivyplug.ps.delta_exchange.OuterRule` the servers merge this optimizer's deltas with."""
+        from ivyplug.ps.delta_exchange import OuterRule
+
+        return OuterRule(
+            self.outer,
+            self.merge_rate,
+            self.outer_lr,
+            self.outer_momentum,
+            self.outer_momentum_every,
+            self.max_trust_ratio,
+        )
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        config.update({"sync_every": self.sync_every, "merge_rate": self.merge_rate})
+        config.update(
+            {
+                "sync_every": self.sync_every,
+                "merge_rate": self.merge_rate,
+                "outer": self.outer,
+                "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum,
+                "outer_momentum_every": self.outer_momentum_every,
+            }
+        )
         return config
 
 
@@ -138,7 +179,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._tensors = [torch.tensor(np.asarray(v.numpy(), dtype=np.float32)) for v in self._variables]
         named = [(f"{i}:{v.path}", t) for i, (v, t) in enumerate(zip(self._variables, self._tensors, strict=True))]
         self._delta = DeltaExchange(self._tensors[: len(params)], optimizer.merge_rate)
-        outer = self._delta.outer_optimizer(self.config.mode, world)
+        outer = self._delta.outer_optimizer(self.config.mode, world, optimizer.outer_rule())
         self.client = PSClient.start(self.config, named[: len(params)], named[len(params) :], optimizer=outer)
         self.client.pull_initial()  # every worker starts from the servers' copy (worker 0's)
         self._write_back()

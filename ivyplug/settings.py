@@ -49,8 +49,19 @@ def _str(value: Any) -> str:
 #: strings; they are read as TOML scalars first (``300``, ``300.0``, ``"auto"``) so both sources parse alike.
 SECTIONS: dict[str, dict[str, Callable[[Any], Any]]] = {
     # IvyPSStrategy's arguments whose None means "the project default, else the built-in one"
-    "ps": {"timeout": _float, "num_servers": _int, "staleness_scaling": _str, "nonfinite": _str},
+    "ps": {"timeout": _float, "num_servers": _int, "staleness_scaling": _str, "nonfinite": _str, "servers": _str},
 }
+
+#: the shared secret of an ``ivyplug serve`` comes from code or this variable only (never a project file)
+TOKEN_ENV = "IVYPLUG_TOKEN"
+
+
+def token(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """``explicit``, else ``$IVYPLUG_TOKEN``, else None."""
+    if explicit is not None:
+        return explicit
+    environ = os.environ if environ is None else environ
+    return environ.get(TOKEN_ENV) or None
 
 
 def find_pyproject(start: Path | None = None) -> Path | None:

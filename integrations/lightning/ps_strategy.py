@@ -48,6 +48,7 @@ from torch.optim import Optimizer
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
 from ivyplug.ps.local_updates import LocalUpdates
 from ivyplug.settings import project_defaults
+from ivyplug.settings import token as settings_token
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,10 @@ class IvyPSStrategy(DDPStrategy):
             on every shard, counted as ``ivy/rank{r}/nonfinite_skipped`` and warned about; in sync mode that
             worker counts zero samples in the step. ``"raise"``: the fit stops with an error naming the rank,
             the step and the first non-finite tensor.
+        servers: ``"host:port"`` of an ``ivyplug serve`` whose shards this job uses (instead of co-located
+            or dedicated servers; also ``IVYPLUG_PS_SERVERS`` or ``servers`` in ``[tool.ivyplug.ps]``). The
+            servers outlive the job: a later job of the same model continues from their state.
+        token: the secret that ``ivyplug serve`` was started with (default ``$IVYPLUG_TOKEN``; never logged).
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
         max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)
@@ -137,6 +142,8 @@ class IvyPSStrategy(DDPStrategy):
         timeout: float | None = None,
         max_shard_bytes: int | str | None = "auto",
         nonfinite: str | None = None,
+        servers: str | None = None,
+        token: str | None = None,
         *,
         process_group_timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -151,7 +158,8 @@ class IvyPSStrategy(DDPStrategy):
         if unknown:
             raise ValueError(
                 f"IvyPSStrategy got unknown keyword argument(s) {sorted(unknown)}; allowed: mode, staleness, "
-                "num_servers, staleness_scaling, timeout, max_shard_bytes, nonfinite, process_group_timeout, "
+                "num_servers, staleness_scaling, timeout, max_shard_bytes, nonfinite, servers, token, "
+                "process_group_timeout, "
                 "start_method, "
                 "accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, "
                 "process_group_backend"
@@ -166,6 +174,8 @@ class IvyPSStrategy(DDPStrategy):
             num_servers=_first(num_servers, project.get("num_servers"), 0),
             max_shard_bytes=max_shard_bytes,
             nonfinite=_first(nonfinite, project.get("nonfinite"), "skip"),
+            servers=servers if servers is not None else project.get("servers"),
+            token=settings_token(token),
         )
         if start_method not in START_METHODS:
             raise ValueError(f"IvyPSStrategy.start_method must be one of {START_METHODS}, got {start_method!r}")

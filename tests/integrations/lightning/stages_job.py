@@ -1,10 +1,10 @@
 """One popen-launched job (2 ranks) running every Trainer stage on one Trainer per PS configuration.
 
-For each (mode, num_servers): ``validate`` before ``fit``, ``fit``, then ``validate``, ``test``,
-``predict`` and a second ``fit`` with a larger ``max_epochs`` on the same Trainer, with Lightning's own
-``BoringModel``. Each rank writes one JSON file per configuration into the folder named first on the command
-line (printed lines of two ranks may interleave): the stages that ran, the global step after each fit and a
-checksum of its parameters (equal on both ranks: the global model).
+For each (mode, num_servers or the address of an ``ivyplug serve``): ``validate`` before ``fit``, ``fit``,
+then ``validate``, ``test``, ``predict`` and a second ``fit`` with a larger ``max_epochs`` on the same
+Trainer, with Lightning's own ``BoringModel``. Each rank writes one JSON file per configuration into the
+folder named first on the command line (printed lines of two ranks may interleave): the stages that ran,
+the global step after each fit and a checksum of its parameters (equal on both ranks: the global model).
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 MODES = {"ivy_ps": "async", "ivy_ps_sync": "sync", "ivy_ps_ssp": "ssp"}
 
 
-def run(name: str, num_servers: int) -> dict[str, object]:
+def run(name: str, servers: str) -> dict[str, object]:
+    """``servers``: a number of dedicated servers, or the address of an ``ivyplug serve``."""
     seed_everything(0)
     mode = MODES[name]
-    strategy = IvyPSStrategy(mode=mode, staleness=2 if mode == "ssp" else None, num_servers=num_servers, timeout=60)
+    where = {"num_servers": int(servers)} if servers.isdigit() else {"servers": servers}
+    strategy = IvyPSStrategy(mode=mode, staleness=2 if mode == "ssp" else None, timeout=60, **where)
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
@@ -56,7 +58,7 @@ def run(name: str, num_servers: int) -> dict[str, object]:
     steps.append(trainer.global_step)
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {
-        "config": f"{name}/{num_servers}",
+        "config": f"{name}/{servers}",
         "rank": trainer.global_rank,
         "stages": done,
         "steps": steps,
@@ -69,8 +71,9 @@ def main() -> None:
     out = Path(sys.argv[1])
     for item in sys.argv[2:]:
         name, servers = item.split("/")
-        result = run(name, int(servers))
-        (out / f"{name}-{servers}-rank{result['rank']}.json").write_text(json.dumps(result))
+        result = run(name, servers)
+        tag = servers if servers.isdigit() else "serve"
+        (out / f"{name}-{tag}-rank{result['rank']}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -12,22 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.ps.service_harness import serve
+
 from .test_example import run_script
 
 JOB = Path(__file__).with_name("stages_job.py")
 CONFIGS = [f"{name}/{servers}" for servers in (0, 2) for name in ("ivy_ps", "ivy_ps_sync", "ivy_ps_ssp")]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(290)
-def test_every_stage_after_fit_on_one_trainer(tmp_path: Path) -> None:
-    returncode, out = run_script([str(JOB), str(tmp_path), *CONFIGS], tmp_path, timeout=270)
-    assert returncode == 0, out[-4000:]
+def check_stages(tmp_path: Path, configs: list[str], out: str) -> None:
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*-rank*.json"))]
     by_config: dict[str, list[dict]] = {}
     for r in results:
         by_config.setdefault(r["config"], []).append(r)
-    assert sorted(by_config) == sorted(CONFIGS), out[-4000:]
+    assert sorted(by_config) == sorted(configs), out[-4000:]
     for config, ranks in by_config.items():
         assert sorted(r["rank"] for r in ranks) == [0, 1], config
         for r in ranks:
@@ -37,3 +35,23 @@ def test_every_stage_after_fit_on_one_trainer(tmp_path: Path) -> None:
         assert all(r["steps"][1] > r["steps"][0] > 0 for r in ranks), (config, ranks)
         # both ranks end with the global model (pulled at the end of fit)
         assert ranks[0]["checksum"] == ranks[1]["checksum"], (config, ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(290)
+def test_every_stage_after_fit_on_one_trainer(tmp_path: Path) -> None:
+    returncode, out = run_script([str(JOB), str(tmp_path), *CONFIGS], tmp_path, timeout=270)
+    assert returncode == 0, out[-4000:]
+    check_stages(tmp_path, CONFIGS, out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_every_stage_against_ivyplug_serve(tmp_path: Path) -> None:
+    """Each fit joins the live servers again (the second continues from their state); two ranks, two slots."""
+    with serve("--shards", "2", "--workers", "2") as s:
+        config = f"ivy_ps/{s.address}"
+        returncode, out = run_script([str(JOB), str(tmp_path), config], tmp_path, timeout=180)
+        assert returncode == 0, out[-4000:] + s.log()
+        check_stages(tmp_path, [config], out)
+        assert s.log().count("joined") >= 4  # two ranks, two fits

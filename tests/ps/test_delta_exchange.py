@@ -6,6 +6,7 @@ merge the worker's copy, pulled from the servers, must equal the reference appli
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -203,3 +204,29 @@ def test_lamb_bounds_how_far_an_adversarial_delta_moves_a_layer(max_trust_ratio:
     assert max(moved["lamb"]) > 0.5  # the clip is what stops it, not a tiny step
     first = moved["average"][: len(list(_model(0).parameters()))]  # from the same start as LAMB's first merge
     assert min(first) > 1e3 * max_trust_ratio  # without the trust-ratio clip: far past the bound
+
+
+@pytest.mark.parametrize(("outer", "kw"), [("nesterov", {"outer_momentum_every": 3}), ("lamb", {})])
+def test_the_outer_state_is_in_the_ps_checkpoint_and_resumes_bitwise(outer: str, kw: dict[str, Any]) -> None:
+    gen = torch.Generator().manual_seed(11)
+    model, opt, client = _start("async", outer, **kw)
+    try:
+        for _ in range(4):  # mid-cycle for N = 3: the servers hold an accumulator and a momentum buffer
+            _push(model, opt, _deltas(model, "rand", gen))
+        buf = io.BytesIO()
+        torch.save(client.state_dict(), buf)
+        later = [_deltas(model, "rand", gen) for _ in range(4)]
+        for d in later:
+            _push(model, opt, d)
+        want = _values(model)
+    finally:
+        client.close()
+    model2, opt2, client2 = _start("async", outer, **kw)
+    try:
+        client2.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))  # ends with a pull
+        opt2.reset_snapshot()
+        for d in later:
+            _push(model2, opt2, d)
+        assert all(np.array_equal(a, b) for a, b in zip(_values(model2), want, strict=True))
+    finally:
+        client2.close()

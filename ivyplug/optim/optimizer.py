@@ -16,8 +16,8 @@ Policies (documented choices):
 * **Loading**: ``load_state_dict`` accepts what ``torch.optim.Adam`` accepts. A saved param group that lacks one
   of LAMB's hyperparameters (a hand-written or foreign checkpoint) keeps the value of the group it replaces, and
   a per-parameter ``step`` stored as a Python number becomes LAMB's 0-dim float32 counter.
-* **Hooks**: step pre-/post-hooks run once per ``step()``, also in subclasses that extend ``step``
-  (:class:`~ivyplug.optim.AsyncLAMB`): they call the unhooked :meth:`LAMB._lamb_step`.
+* **Hooks**: step pre-/post-hooks run once per ``step()``, also in subclasses that extend ``step``: they call the
+  unhooked :meth:`LAMB._lamb_step`.
 """
 
 from __future__ import annotations

@@ -230,3 +230,40 @@ def test_the_outer_state_is_in_the_ps_checkpoint_and_resumes_bitwise(outer: str,
         assert all(np.array_equal(a, b) for a, b in zip(_values(model2), want, strict=True))
     finally:
         client2.close()
+
+
+@pytest.mark.parametrize("name", ["nesterov", "nesterov-delayed-3", "lamb"])
+def test_h1_training_merges_every_step_like_the_reference(name: str) -> None:
+    """sync_every=1: each local SGD step is one merge; the pushed pseudo-gradients replayed in float64 agree."""
+    kw, make_ref = RULES[name]
+    model = _model(1)
+    opt = LocalUpdates(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1, outer=name.split("-")[0], **kw)
+    client = opt.start_ps(PSConfig(mode="sync"), list(model.named_parameters()))
+    ref = make_ref(_values(model))
+    pushed: list[list[np.ndarray]] = []
+    exchange = opt.delta.exchange
+
+    def recording(local_steps: int) -> None:
+        pushed.append(
+            [
+                s.double().numpy() - p.detach().double().numpy()
+                for s, p in zip(opt.delta.snapshot, model.parameters(), strict=True)
+            ]
+        )
+        exchange(local_steps)
+
+    opt.delta.exchange = recording  # type: ignore[method-assign]
+    try:
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(5):
+            x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        assert len(pushed) == opt.exchanges == 5
+        for g in pushed:
+            ref.merge(g)
+        for p, want in zip(model.parameters(), ref.params, strict=True):
+            torch.testing.assert_close(p.detach().double(), torch.from_numpy(want), rtol=1e-6, atol=1e-7)
+    finally:
+        client.close()

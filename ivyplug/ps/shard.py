@@ -238,6 +238,7 @@ class Shard:
                 self._parked = []
                 self._sync_pushes = {}
                 self._sync_combined = None
+                self.clock = [self.version] * self.num_workers  # the aborted step did not happen
             self._release()
         self._flush(f"worker {worker} is gone: {reason}" if reason else None)
 

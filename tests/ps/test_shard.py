@@ -109,3 +109,55 @@ def test_a_reply_is_resolved_after_the_shard_lock_is_released() -> None:
     worker1.join(10)
     assert not worker1.is_alive(), "the reply was resolved with the shard's lock held (deadlock)"
     assert seen == [1]
+
+
+def _ssp_shard(num_workers: int = 2, mode: str = "ssp") -> tuple[Shard, torch.Tensor, torch.Tensor]:
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    spec = OptimizerSpec.from_optimizer(opt, [p])
+    plan = build_plan([TensorSpec("p", (3,))], 1)
+    cfg = PSConfig(mode=mode, staleness=0 if mode == "ssp" else None)
+    shard = Shard(0, plan, cfg, num_workers, spec, torch.zeros(3))
+    hyper = torch.cat([torch.tensor([-1.0, 1.0, 0.0, *encode_mask([True])], dtype=torch.float64), spec.encode(opt)])
+    return shard, torch.ones(3), hyper
+
+
+def test_ssp_a_worker_that_leaves_stops_holding_back_the_others_and_a_joiner_counts_from_its_first_push() -> None:
+    shard, grad, hyper = _ssp_shard()
+    for w in (0, 1):
+        shard.join(w)
+    shard.push_pull(1, grad, hyper).result(1)  # worker 1 counts from its first push (clock 1)
+    shard.push_pull(0, grad, hyper).result(1)  # worker 0 at clock 1: within staleness 0
+    ahead = shard.push_pull(0, grad, hyper)
+    assert not ahead.done()  # clock 2, one ahead of worker 1
+    shard.leave(1, "its connection broke")  # async/ssp: the others go on without it
+    assert ahead.result(1).clock == 2
+    # a worker joining later starts at the slowest live worker's clock (2), not at 0 (it would block everyone)
+    shard.join(1)
+    assert shard.push_pull(0, grad, hyper).result(1).clock == 3  # worker 1 does not count before it pushes
+    assert shard.push_pull(1, grad, hyper).result(1).clock == 3
+    assert not shard.push_pull(0, grad, hyper).done()  # now it counts: worker 0 (clock 4) waits for it
+    control, grad, hyper = _ssp_shard()
+    for w in (0, 1):
+        control.join(w)
+    control.push_pull(1, grad, hyper)
+    control.push_pull(0, grad, hyper)
+    assert not control.push_pull(0, grad, hyper).done()  # the control: without the leave it stays parked
+
+
+def test_sync_a_lost_worker_fails_the_step_in_progress_and_later_ones_naming_it_until_it_rejoins() -> None:
+    shard, grad, hyper = _ssp_shard(mode="sync")
+    for w in (0, 1):
+        shard.join(w)
+    waiting = shard.push_pull(0, grad, hyper)
+    assert not waiting.done()
+    shard.leave(1, "its connection broke")
+    with pytest.raises(PSProtocolError, match="worker 1 is gone: its connection broke"):
+        waiting.result(1)
+    with pytest.raises(PSProtocolError, match="worker 1 is gone"):
+        shard.push_pull(0, grad, hyper).result(1)
+    assert shard.error is None  # the shard itself is fine: a new run may join
+    shard.join(1)
+    a, b = shard.push_pull(0, grad, hyper), shard.push_pull(1, grad, hyper)
+    assert a.result(1).version == b.result(1).version == 1
+    torch.testing.assert_close(shard.masters[0].detach(), torch.full((3,), -0.1))

@@ -115,6 +115,10 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     Args:
         mode, staleness, staleness_scaling, timeout: as for :class:`ivyplug.ps.PSConfig` (checked here,
             before ``fit`` starts).
+        servers: ``"host:port"`` of an ``ivyplug serve`` (also ``$IVYPLUG_PS_SERVERS``). Each Keras process
+            started on its own is then one worker of the servers' job, without torchrun or a process group;
+            the servers' ``--workers`` slots set the default merge rate (1/slots in async/ssp).
+        token: the secret the servers were started with (default ``$IVYPLUG_TOKEN``).
     """
 
     def __init__(
@@ -123,9 +127,21 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         staleness: int | None = None,
         staleness_scaling: str = "inverse",
         timeout: float = DEFAULT_TIMEOUT_S,
+        servers: str | None = None,
+        token: str | None = None,
     ) -> None:
+        from ivyplug.settings import project_defaults
+        from ivyplug.settings import token as settings_token
+
         super().__init__()
-        self.config = PSConfig(mode=mode, staleness=staleness, staleness_scaling=staleness_scaling, timeout=timeout)
+        self.config = PSConfig(
+            mode=mode,
+            staleness=staleness,
+            staleness_scaling=staleness_scaling,
+            timeout=timeout,
+            servers=servers if servers is not None else project_defaults("ps").get("servers"),
+            token=settings_token(token),
+        )
         self.client: Any = None
         self._delta: Any = None
         self._variables: list[Any] = []
@@ -149,6 +165,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         """The number of workers; joins the gloo group from torchrun's environment when there are several."""
         import torch.distributed as dist
 
+        if self.config.servers is not None:  # one worker of an ivyplug serve's job, on its own
+            return 1
         if dist.is_available() and dist.is_initialized():
             return int(dist.get_world_size())
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -179,7 +197,12 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._tensors = [torch.tensor(np.asarray(v.numpy(), dtype=np.float32)) for v in self._variables]
         named = [(f"{i}:{v.path}", t) for i, (v, t) in enumerate(zip(self._variables, self._tensors, strict=True))]
         self._delta = DeltaExchange(self._tensors[: len(params)], optimizer.merge_rate)
-        outer = self._delta.outer_optimizer(self.config.mode, world, optimizer.outer_rule())
+        averaged_over = world
+        if self.config.servers is not None:  # the servers' worker slots (1 if a job of its own sets them)
+            from ivyplug.ps.service_link import worker_slots
+
+            averaged_over = worker_slots(self.config) or 1
+        outer = self._delta.outer_optimizer(self.config.mode, averaged_over, optimizer.outer_rule())
         self.client = PSClient.start(self.config, named[: len(params)], named[len(params) :], optimizer=outer)
         self.client.pull_initial()  # every worker starts from the servers' copy (worker 0's)
         self._write_back()

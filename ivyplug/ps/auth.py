@@ -31,6 +31,7 @@ from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
 
 PREFIX = "ivyplug-serve"
 MEMBER_COUNTER = f"{PREFIX}/members"
+INFO_KEY = f"{PREFIX}/info"
 
 
 class PSAuthError(PermissionError):
@@ -64,7 +65,7 @@ def _get(store: Any, key: str, timeout: float, what: str) -> dict[str, Any]:
 
 
 def _put(store: Any, key: str, value: dict[str, Any]) -> None:
-    store.set(key, json.dumps(value).encode())
+    store.set(key, json.dumps(value))
 
 
 def _nonce(value: Any, what: str) -> bytes:
@@ -134,3 +135,18 @@ def server_handshake(
         return reason, ""
     _put(store, _key("verdict", member), {"ok": True, **accept})
     return None, session_prefix(token, mine, theirs, member)
+
+
+def pair_group(store: Any, prefix: str, rank: int, timeout: float, host: str) -> Any:
+    """The two-rank gloo group of a worker and a service under ``prefix``; on a loopback ``host`` its
+    sockets listen on loopback only (gloo's default device listens on the machine's own address)."""
+    import torch.distributed as dist
+
+    pg: Any = dist.ProcessGroupGloo
+    opts = pg._Options()
+    opts._timeout = timedelta(seconds=timeout)
+    if host in ("127.0.0.1", "localhost", "::1"):
+        opts._devices = [pg.create_device(hostname="::1" if host == "::1" else "127.0.0.1")]
+    else:
+        opts._devices = [pg.create_default_device()]
+    return pg(dist.PrefixStore(prefix, store), rank, 2, opts)

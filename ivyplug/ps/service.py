@@ -20,7 +20,9 @@ this process; norms of sync-mode clipping go shard to shard in-process.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -132,13 +134,24 @@ class PSService:
         self.refused = 0
         self._groups: dict[int, Any] = {}
         self._threads: list[threading.Thread] = []
+        # the store listens on a socket bound here (given a port, TCPStore alone listens on every interface)
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(256)
+        self.port = int(self._sock.getsockname()[1])
         self.store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+            host,
+            self.port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+            master_listen_fd=self._sock.fileno(),
         )
-        self.port = int(self.store.port)
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self._resume()
+        self._publish()
         for target, name in ((self._accept, "accept"), (self._tick, "status")):
             t = threading.Thread(target=target, name=f"ivyplug-serve-{name}", daemon=True)
             t.start()
@@ -158,6 +171,12 @@ class PSService:
             f"ivyplug serve: listening on {self.address} ({self.num_shards} shards, {workers} worker slots, "
             f"{auth_text}{where}{resumed})"
         )
+
+    def _publish(self) -> None:
+        """What anyone may read before joining (auth.INFO_KEY): the shard count and the worker slots."""
+        job = self.job
+        info = {"shards": self.num_shards, "workers": job.num_workers if job is not None else self.num_workers}
+        self.store.set(auth.INFO_KEY, json.dumps(info))
 
     def version(self) -> int:
         job = self.job
@@ -191,7 +210,7 @@ class PSService:
                     self.refused += 1
                 self.log(f"ivyplug serve: refused member {member}: {reason}")
                 return
-            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), 0, 2, timedelta(seconds=self.timeout))
+            group = auth.pair_group(self.store, prefix, 0, self.timeout, self.host)
             with self._lock:
                 self._groups[member] = group
             channel = Channel(group, 0, self.timeout)
@@ -255,6 +274,7 @@ class PSService:
             if self.job is None:
                 workers = self.num_workers or max(1, int(job_size))
                 self.job = self._build(desc, workers, blob.get("values"))
+                self._publish()
                 created = True
             else:
                 diff = job_description.difference(self.job.description, desc)

@@ -8,6 +8,7 @@ first worker of a job creates the shards from them, a later one is checked again
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -19,7 +20,7 @@ from ivyplug.ps import auth, typed_state
 from ivyplug.ps.config import PSConfig, parse_address
 from ivyplug.ps.endpoints import PSServerError, WireEndpoint, WireStats
 from ivyplug.ps.messages import Kind, bytes_to_words
-from ivyplug.ps.transport import Channel, PSTimeoutError
+from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError
 
 
 class PSJoinRefused(ValueError):
@@ -41,20 +42,36 @@ class ServiceLink:
     created: bool = False
 
 
-def connect(cfg: PSConfig) -> ServiceLink:
-    """Meet the service at ``cfg.servers``, prove ``cfg.token``, form the pair group."""
+def _store(cfg: PSConfig) -> tuple[Any, str]:
     assert cfg.servers is not None
     host, port = parse_address(cfg.servers, "servers")
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=cfg.timeout))
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=cfg.timeout)), host
     except RuntimeError as exc:
         raise PSTimeoutError(
             f"no ivyplug serve answered at {cfg.servers} within {cfg.timeout:g} s (is it running? started with "
             f"`ivyplug serve --shards K --port {port}`): {exc}"
         ) from exc
+
+
+def worker_slots(cfg: PSConfig) -> int:
+    """The worker slots of the service at ``cfg.servers`` (0 until a job's first worker sets them), read
+    before joining: a delta-averaging worker builds its outer optimizer for that many workers."""
+    store, _ = _store(cfg)
+    try:
+        store.wait([auth.INFO_KEY], timedelta(seconds=cfg.timeout))
+        return int(json.loads(bytes(store.get(auth.INFO_KEY)).decode())["workers"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise PSProtocolError(f"ivyplug serve at {cfg.servers} did not say how many workers it serves: {exc}") from exc
+
+
+def connect(cfg: PSConfig) -> ServiceLink:
+    """Meet the service at ``cfg.servers``, prove ``cfg.token``, form the pair group."""
+    store, host = _store(cfg)
+    assert cfg.servers is not None
     member, prefix, verdict = auth.client_handshake(store, cfg.token, cfg.timeout, cfg.servers)
     try:
-        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 1, 2, timedelta(seconds=cfg.timeout))
+        group = auth.pair_group(store, prefix, 1, cfg.timeout, host)
     except RuntimeError as exc:
         raise PSTimeoutError(f"could not connect to ivyplug serve at {cfg.servers}: {exc}") from exc
     return ServiceLink(cfg.servers, store, group, Channel(group, 1, cfg.timeout), int(verdict["shards"]), member)

@@ -1,51 +1,29 @@
-"""Dedicated CPU server processes (``PSConfig(num_servers=k)``), for jobs whose workers are GPUs.
+"""Dedicated CPU servers (``PSConfig(num_servers=k)``): an ``ivyplug serve`` that rank 0 starts for its job.
 
-Rank 0 starts k server processes on its host. Workers and servers meet in a gloo group of their own,
-``ProcessGroupGloo`` over a ``PrefixStore`` on a fresh ``TCPStore`` (``new_group`` only accepts ranks
-of the default world, and the servers are not in it): workers are ranks ``0..W-1`` of that group,
-server j is rank ``W + j`` and serves shard j. They speak the messages of messages.py; a server ends
-after a BYE from every worker and every other server, is terminated when rank 0's interpreter exits
-without closing the PS (daemonic children), and exits by itself if rank 0 dies (a parent watchdog).
+Rank 0 starts one server process on its host, holding the k shards (service.py), with a fresh random token
+that the workers receive through their own group; every worker then joins it as it would join any
+``ivyplug serve`` (one two-rank gloo group per worker, service_link.py). So a worker that dies leaves the
+others serving, exactly as with an external service. The process ends by itself once every worker of the
+job has left, is terminated when rank 0's interpreter exits without closing the PS (a daemonic child), and
+exits if rank 0 dies (a parent watchdog).
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any
-
-import torch
-import torch.distributed as dist
-
-from ivyplug.ps.config import PSConfig
-from ivyplug.ps.endpoints import WireEndpoint
-from ivyplug.ps.messages import Header, Kind
-from ivyplug.ps.mirror import OptimizerSpec
-from ivyplug.ps.server_loop import ServerLoop
-from ivyplug.ps.shard import Shard
-from ivyplug.ps.sharding import TensorSpec, build_plan
-from ivyplug.ps.transport import Channel, PSProtocolError
 
 STORE_PREFIX = "ivyplug-ps"
 HOST_ENV = "IVYPLUG_PS_HOST"
 
 
 def ps_host() -> str:
-    """Address at which workers reach rank 0's PS store: $IVYPLUG_PS_HOST, $MASTER_ADDR or loopback."""
+    """Address at which workers reach rank 0's servers: $IVYPLUG_PS_HOST, $MASTER_ADDR or loopback."""
     return os.environ.get(HOST_ENV) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-
-
-def connect(host: str, port: int, rank: int, size: int, timeout: float, store: Any = None) -> tuple[Any, Any]:
-    """Join the PS group (every worker and server calls this); returns (process group, store)."""
-    if store is None:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
-    group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, size, timedelta(seconds=timeout))
-    return group, store
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -56,75 +34,57 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def serve(
-    host: str,
-    port: int,
-    num_workers: int,
-    shard: int,
-    cfg: PSConfig,
-    specs: list[TensorSpec],
-    spec: OptimizerSpec,
-    init: bytes,
-    parent_pid: int,
-) -> None:
-    """Main of dedicated server ``shard`` (a spawned process)."""
+def _log(line: str) -> None:
+    """Only what a user must see reaches stderr (a lost worker, a refusal), not every join and clean leave."""
+    if " is gone" in line or "refused" in line or "ended" in line:
+        print(f"[ivyplug.ps] {line}", file=sys.stderr, flush=True)
+
+
+def serve(host: str, num_shards: int, num_workers: int, token: str, timeout: float, parent_pid: int, conn: Any) -> None:
+    """Main of the server process: report the port to rank 0, serve until every worker has left."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    k = cfg.num_servers
-    me = num_workers + shard
-    group, _store = connect(host, port, me, num_workers + k, cfg.timeout)
-    channel = Channel(group, me, cfg.timeout)
-    plan = build_plan(specs, k, cfg.max_shard_bytes)
-    values = torch.frombuffer(bytearray(init), dtype=torch.float32) if init else torch.zeros(0)
-    others = [s for s in range(k) if s != shard]
+    from ivyplug.ps.service import PSService
 
-    def workers_done() -> None:
-        for s in others:
-            channel.send(num_workers + s, Header(kind=Kind.BYE, sender=me), wait=False)
-
-    server = Shard(shard, plan, cfg, num_workers, spec, values)
-    # the sync-mode norm exchange goes straight to the other servers' shards
-    server.connect_peers(
-        {s: WireEndpoint(channel, num_workers + s, s, plan.shard_numel(s)) for s in plan.nonempty_shards()}
+    service = PSService(
+        num_shards,
+        host=host,
+        port=0,
+        token=token,
+        num_workers=num_workers,
+        timeout=timeout,
+        status_every=None,
+        log=_log,
     )
-    loop = ServerLoop(
-        channel,
-        server,
-        None,
-        expect_bye=set(range(num_workers)) | {num_workers + s for s in others},
-        stop=threading.Event(),
-        workers=set(range(num_workers)),
-        on_workers_done=workers_done,
-    )
-    loop.run()
-    with contextlib.suppress(PSProtocolError):  # every peer said BYE: nothing pending matters any more
-        channel.flush()
-    if loop.error is not None:
-        sys.exit(2)
+    conn.send_bytes(str(service.port).encode())  # bytes, not a pickled object
+    conn.close()
+    service.emptied.wait()
+    print("[ivyplug.ps] dedicated server: every worker of its job has left, exiting", file=sys.stderr, flush=True)
+    service.close()
 
 
-def launch(
-    host: str,
-    port: int,
-    num_workers: int,
-    cfg: PSConfig,
-    specs: list[TensorSpec],
-    spec: OptimizerSpec,
-    shard_values: list[torch.Tensor],
-) -> list[Any]:
-    """Start the k server processes (called on rank 0); they connect to the store at host:port."""
+def launch(host: str, num_shards: int, num_workers: int, token: str, timeout: float) -> tuple[Any, int]:
+    """Start the server process (on rank 0); returns it and the port its store listens on."""
     ctx = mp.get_context("spawn")
-    procs = []
-    for j in range(cfg.num_servers):
-        blob = shard_values[j].contiguous().view(torch.uint8).numpy().tobytes()
-        p = ctx.Process(
-            target=serve,
-            args=(host, port, num_workers, j, cfg, list(specs), spec, blob, os.getpid()),
-            name=f"ivyplug-ps-server-{j}",
-            # daemonic: if rank 0's interpreter exits without close() (an exception in user code), its
-            # multiprocessing atexit hook terminates the servers; a non-daemon child would be joined
-            # there forever, since a server only ends after every worker's BYE
-            daemon=True,
-        )
-        p.start()
-        procs.append(p)
-    return procs
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=serve,
+        args=(host, num_shards, num_workers, token, timeout, os.getpid(), child),
+        name="ivyplug-ps-server",
+        # daemonic: if rank 0's interpreter exits without close() (an exception in user code), its
+        # multiprocessing atexit hook terminates the server; a non-daemon child would be joined there forever
+        daemon=True,
+    )
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise TimeoutError(f"the dedicated server process did not start within {timeout:g} s")
+        port = int(parent.recv_bytes(64).decode())
+    except (EOFError, OSError, ValueError) as exc:
+        proc.join(5)
+        raise RuntimeError(f"the dedicated server process failed to start (exit code {proc.exitcode})") from exc
+    except BaseException:
+        proc.kill()
+        proc.join(5)
+        raise
+    return proc, port

@@ -35,6 +35,9 @@ _WANTS_REPLY = (
 _NEEDS_SHARD = (Kind.PUSH_PULL, Kind.PULL, Kind.NORM, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
 #: largest state or description blob a member may announce (a LOAD carries one shard's state)
 MAX_BLOB_BYTES = 1 << 34
+#: largest payloads (fp32 values, fp64 hyperparameters) a member may announce at all
+MAX_PAYLOAD = MAX_BLOB_BYTES // 4
+MAX_HYPER = 1 << 24
 
 
 class Traffic(Protocol):
@@ -131,11 +134,12 @@ class ServerLoop(threading.Thread):
     def run(self) -> None:
         peer = 1 if self.member is not None else None
         while not self.expect_bye <= self.bye_from:
+            refusal: str | None = None
             try:
                 header = self.channel.recv_request_header(peer)
                 if self.member is not None:
                     header.sender = 1  # the pair's other rank, whatever its header says
-                    self._check_sizes(header)
+                    refusal = self._check_sizes(header)
                 data, hyper = self.channel.recv_request_payload(header)
                 if self.traffic is not None:
                     nbytes = 128 + 4 * header.numel + 8 * header.n_hyper
@@ -152,6 +156,8 @@ class ServerLoop(threading.Thread):
                         shard.fail(exc)
                 return
             try:
+                if refusal is not None:
+                    raise PSProtocolError(refusal)
                 self._handle(header, data, hyper)
             except BaseException as exc:
                 print(
@@ -177,35 +183,44 @@ class ServerLoop(threading.Thread):
     def _who(self, h: Header) -> str:
         return f"worker {self.member}" if self.member is not None else f"rank {h.sender}"
 
-    def _check_sizes(self, h: Header) -> None:
-        """A member's request must announce exactly the payload its kind carries, before any is received
-        (gloo aborts the process on a message longer than the posted receive; see auth.py)."""
+    def _check_sizes(self, h: Header) -> str | None:
+        """Whether a member's request announces exactly the payload its kind carries: None, or why not.
+
+        Checked before any payload is received: gloo aborts the process on a message longer than the posted
+        receive (see auth.py). A wrong but bounded size is still received as announced (then refused with
+        an error reply); a kind or size outside the bounds ends the member (PSProtocolError)."""
         numel, n_hyper = 0, 0
-        if h.kind in (Kind.PUSH_PULL, Kind.PULL, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.IDLE):
-            target = self.shards.get(h.shard)
-            if target is None:
-                raise PSProtocolError(
-                    f"worker {self.member} asked for shard {h.shard}; this server has {sorted(self.shards)}"
-                )
-            if h.kind == Kind.PUSH_PULL:
-                numel, n_hyper = target.n_total, target.n_hyper
-        else:
-            h.shard = -1  # requests of the service itself: their replies come back on stream 0
-        if h.kind == Kind.LOAD:
-            if not 0 <= h.arg0 <= MAX_BLOB_BYTES:
-                raise PSProtocolError(f"worker {self.member} announced a state of {h.arg0} bytes")
-            numel = (h.arg0 + 3) // 4
+        if h.numel < 0 or h.n_hyper < 0 or h.numel > MAX_PAYLOAD or h.n_hyper > MAX_HYPER:
+            raise PSProtocolError(f"worker {self.member} announced a payload of {h.numel} + {h.n_hyper} values")
         allowed = (
             Kind.PUSH_PULL, Kind.PULL, Kind.IDLE, Kind.BYE, Kind.NEXT_BATCH, Kind.STOP, Kind.STATE_SIZE,
             Kind.STATE_FETCH, Kind.LOAD, Kind.EPOCH,
         )  # fmt: skip
         if h.kind not in allowed:
             raise PSProtocolError(f"worker {self.member} sent a message of kind {h.kind}, which members may not send")
-        if (h.numel, h.n_hyper) != (numel, n_hyper):
-            raise PSProtocolError(
-                f"worker {self.member}'s kind-{h.kind} message announces {h.numel} + {h.n_hyper} values; "
-                f"it must carry {numel} + {n_hyper}"
+        if h.kind in (Kind.PUSH_PULL, Kind.PULL, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.IDLE):
+            target = self.shards.get(h.shard)
+            if target is None:
+                return f"worker {self.member} asked for shard {h.shard}; this server has {sorted(self.shards)}"
+            if h.kind == Kind.PUSH_PULL:
+                numel, n_hyper = target.n_total, target.n_hyper
+        else:
+            h.shard = -1  # requests of the service itself: their replies come back on stream 0
+        if h.kind == Kind.LOAD:
+            if not 0 <= h.arg0 <= MAX_BLOB_BYTES:
+                return f"worker {self.member} announced a state of {h.arg0} bytes"
+            numel = (h.arg0 + 3) // 4
+        if h.kind == Kind.PUSH_PULL and (h.numel, h.n_hyper) != (numel, n_hyper):
+            return (
+                f"shard {h.shard}: push from worker {self.member} has {h.numel} values, expected {numel} (and "
+                f"{h.n_hyper} hyperparameters, expected {n_hyper})"
             )
+        if (h.numel, h.n_hyper) != (numel, n_hyper):
+            return (
+                f"worker {self.member}'s kind-{h.kind} request to shard {h.shard} announces {h.numel} + {h.n_hyper} "
+                f"values; it must carry {numel} + {n_hyper}"
+            )
+        return None
 
     def _answer(self, to: int, request: Header, fut: Future[Reply]) -> None:
         """Send a push's or pull's reply once its future is resolved (on the resolving thread)."""

@@ -128,6 +128,7 @@ class PSService:
         self.log = log or (lambda line: print(line, flush=True))
         self.traffic = Traffic()
         self.closed = threading.Event()
+        self.emptied = threading.Event()  # set when the last worker left (a dedicated service then ends)
         self._lock = threading.Lock()  # guards job, slots, members (membership; shards guard themselves)
         self.job: Job | None = None
         self.slots: dict[int, int] = {}  # worker slot -> member number
@@ -321,6 +322,8 @@ class PSService:
         if job is not None:
             for shard in job.shards.values():
                 shard.leave(slot, reason)
+        if left == 0:
+            self.emptied.set()
         how = "left" if reason is None else f"is gone: {reason}"
         self.log(f"ivyplug serve: worker {slot} {how} ({left} connected)")
 

@@ -167,6 +167,7 @@ class Shard:
         self._failed: list[Future[Reply]] = []
         self._norms_out: list[tuple[int, float]] = []
         self._lost: dict[int, str] = {}  # worker -> why (sync: a step cannot complete without it)
+        self._abort_reason: str | None = None  # why the futures in _failed fail, when not self.error
 
     @property
     def n_hyper(self) -> int:
@@ -189,6 +190,8 @@ class Shard:
                 self._release()
             except PushRefused as exc:
                 fut.set_exception(exc)
+                if self.cfg.mode == "sync" and not self._lost:  # a sync step cannot complete without it
+                    self._abort_step(f"worker {worker}'s push was refused ({exc})")
             except BaseException as exc:
                 self._fail_locked(exc)
                 fut.set_exception(exc)
@@ -225,6 +228,15 @@ class Shard:
             self.live[worker] = False
             self._sync_pushes.pop(worker, None)
 
+    def _abort_step(self, why: str) -> None:
+        """Fail the sync step in progress (lock held): its parked replies get ``why``, clocks restart."""
+        self._failed += [fut for _, _, fut in self._parked]
+        self._parked = []
+        self._sync_pushes = {}
+        self._sync_combined = None
+        self.clock = [self.version] * self.num_workers  # the aborted step did not happen
+        self._abort_reason = why
+
     def leave(self, worker: int, reason: str | None = None) -> None:
         """``worker`` left (``reason=None``) or is gone (``reason`` says how). Async/ssp go on without it (SSP
         stops counting it); in sync mode a step needs every worker, so the step in progress and every later
@@ -234,13 +246,9 @@ class Shard:
             self._parked = [entry for entry in self._parked if entry[0] != worker]
             if reason is not None and self.cfg.mode == "sync":
                 self._lost[worker] = reason
-                self._failed += [fut for _, _, fut in self._parked]
-                self._parked = []
-                self._sync_pushes = {}
-                self._sync_combined = None
-                self.clock = [self.version] * self.num_workers  # the aborted step did not happen
+                self._abort_step(f"worker {worker} is gone: {reason}")
             self._release()
-        self._flush(f"worker {worker} is gone: {reason}" if reason else None)
+        self._flush()
 
     def norm(self, step: int, shard: int, sq: float) -> None:
         """Another shard's squared norm of sync step ``step``'s combined gradient (for global clipping)."""
@@ -267,13 +275,14 @@ class Shard:
         with self._lock:
             return self.version, list(self.clock)
 
-    def _flush(self, why: str | None = None) -> None:
+    def _flush(self) -> None:
         """Resolve ready replies and send norms, outside the lock (callbacks may do network I/O)."""
         with self._lock:
             ready, self._ready = self._ready, []
             failed, self._failed = self._failed, []
             norms, self._norms_out = self._norms_out, []
-            error = why or f"failed: {self.error}"
+            error = self._abort_reason or f"failed: {self.error}"
+            self._abort_reason = None
         for fut in failed:  # pending replies fail now (their requesters hear it), not after a timeout
             if not fut.done():
                 fut.set_exception(PSProtocolError(f"PS shard {self.shard}: {error}"))

@@ -3,8 +3,8 @@
 * co-located (``num_servers=0``): worker rank r serves shard r in a server-loop thread and reaches the
   other shards over a gloo group of its own; its own shard through an in-process endpoint (gloo cannot
   send to itself).
-* dedicated (``num_servers=k``): rank 0 starts k CPU server processes on its host (dedicated.py); every
-  worker reaches every shard over the wire. Rank 0 also serves the batch queue in a loop thread.
+* dedicated (``num_servers=k``): rank 0 starts a server process holding the k shards (an ``ivyplug serve``
+  of the job's own, dedicated.py); every worker joins it as external.
 * external (``servers="host:port"``): the shards and the batch queue of an ``ivyplug serve`` (service.py),
   reached over a two-rank group per worker (service_link.py).
 
@@ -13,6 +13,8 @@ Everything else (a step, sync, checkpoints) is the same loop over the endpoints 
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from ivyplug.ps import job_description, service_link
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.dedicated import connect, launch, ps_host
+from ivyplug.ps.dedicated import launch, ps_host
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.endpoints import InProcessEndpoint, ShardEndpoint, WireEndpoint, WireStats
 from ivyplug.ps.layout import FlatLayout
@@ -32,7 +34,7 @@ from ivyplug.ps.server_loop import ServerLoop
 from ivyplug.ps.service_link import ServiceLink
 from ivyplug.ps.shard import Shard
 from ivyplug.ps.sharding import ShardPlan
-from ivyplug.ps.transport import Channel, PSTimeoutError
+from ivyplug.ps.transport import Channel
 from ivyplug.ps.worker_group import WorkerGroup
 
 
@@ -107,42 +109,29 @@ def dedicated(
     stop: threading.Event,
     stats: WireStats,
 ) -> Topology:
-    """Rank 0 starts the server processes; every worker joins the PS group (see dedicated.py)."""
+    """Rank 0 starts the job's own ``ivyplug serve`` (dedicated.py); then every worker joins it (external)."""
     host = ps_host()
     port = torch.zeros(1, dtype=torch.int64)
-    store = None
+    secret = torch.zeros(32, dtype=torch.uint8)
     procs: list[Any] = []
     if rank == 0:
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout))
-        port[0] = store.port
-        full = layout.flat_local()
-        values = [layout.shard_values(full, s) for s in range(plan.num_shards)]
-        procs = launch(host, int(port), world_size, cfg, list(plan.specs), spec, values)
-    workers.broadcast(port, "the PS store port")
+        token = secrets.token_hex(16)
+        proc, port[0] = launch(host, cfg.num_servers, world_size, token, cfg.timeout)
+        procs.append(proc)
+        secret.copy_(torch.frombuffer(bytearray(token.encode()), dtype=torch.uint8))
     try:
-        group, store = connect(host, int(port), rank, world_size + cfg.num_servers, cfg.timeout, store=store)
-    except RuntimeError as exc:
-        for proc in procs:  # do not leave half-started servers behind
+        workers.broadcast(port, "the dedicated servers' port")
+        workers.broadcast(secret, "the dedicated servers' token")
+        token = secret.numpy().tobytes().decode()
+        where = dataclasses.replace(cfg, num_servers=0, servers=f"{host}:{int(port)}", token=token)
+        link = service_link.connect(where)
+        topo = external(cfg, plan, spec, layout, rank, world_size, workers, stop, stats, link)
+    except BaseException:
+        for proc in procs:  # do not leave a half-started server behind
             proc.kill()
             proc.join(5)
-        raise PSTimeoutError(
-            f"rank {rank} could not join the PS group of {world_size} workers and {cfg.num_servers} dedicated "
-            f"servers at {host}:{int(port)} within {cfg.timeout:g} s: {exc}"
-        ) from exc
-    channel = Channel(group, rank, cfg.timeout)
-    endpoints: dict[int, ShardEndpoint] = {
-        s: WireEndpoint(channel, world_size + s, s, plan.shard_numel(s), stats) for s in plan.nonempty_shards()
-    }
-    topo = Topology(endpoints, channel=channel, p2p_group=group, server_procs=procs, store=store, owns_p2p_group=False)
-    topo.loop_ranks = ([0] if rank != 0 and world_size > 1 else []) + [world_size + s for s in range(cfg.num_servers)]
-    if rank == 0:
-        topo.queue = BatchQueue(world_size)
-        if world_size > 1:
-            topo.loop = ServerLoop(channel, None, topo.queue, set(range(1, world_size)), stop)
-            topo.loop.start()
-    else:
-        topo.queue_endpoint = WireEndpoint(channel, 0, -1, 0, stats)
-    workers.barrier("every worker to join the PS group")
+        raise
+    topo.server_procs = procs
     return topo
 
 

@@ -160,11 +160,11 @@ def test_async_nothing_is_lost(world: str, request: pytest.FixtureRequest) -> No
 
 @pytest.mark.parametrize("name", ["lamb"])
 def test_dedicated_servers_sync_equals_one_process(world2: list, name: str) -> None:
-    """2 workers + 2 dedicated server processes (their own gloo group over a PrefixStore)."""
+    """2 workers + 2 dedicated shards (one server process that both workers join over pairs of their own)."""
     for r in world2:
         assert r["dedicated"][name] <= 1e-5
         assert r["dedicated"][f"{name}_versions"] == [3, 3]
-    assert world2[0]["dedicated"]["procs_before_close"] == 2  # rank 0 started them ...
+    assert world2[0]["dedicated"]["procs_before_close"] == 1  # rank 0 started it (both shards) ...
     assert world2[0]["dedicated"]["procs_alive_after_close"] == 0  # ... and close() ended them
     assert world2[1]["dedicated"]["procs_before_close"] == 0
 

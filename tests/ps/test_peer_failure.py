@@ -130,14 +130,16 @@ def test_dedicated_servers_exit_when_rank0_is_killed() -> None:
     with dedicated_job() as job:
         # the refused push came back as an error reply at once (not a PSTimeoutError after 60 s)
         refused = json.loads(next(x for x in job.lines if x.startswith("ERROR_REPLY")).split(" ", 1)[1])
-        assert refused["type"] == "PSProtocolError", refused
+        assert refused["type"] in ("PSProtocolError", "PSServerError"), refused  # PSServerError: a PSProtocolError
         assert "failed while answering the push/pull of shard 0" in refused["error"], refused
         assert "push from worker 0 has 3 values, expected" in refused["error"], refused  # the server's own text
         assert refused["seconds"] < 30, refused
         os.kill(job.proc.pid, signal.SIGKILL)
         job.proc.wait(10)
-        assert _wait_gone(job.servers, 10.0), "a dedicated server outlived its rank 0"  # watchdog: every 1 s
-    assert "dedicated server: rank 0 is gone, exiting" in "".join(job.stderr)
+        assert _wait_gone(job.servers, 10.0), "a dedicated server outlived its rank 0"
+    # it saw its only worker's connection close (or, as a backstop, its watchdog saw rank 0 gone)
+    err = "".join(job.stderr)
+    assert "worker 0 is gone" in err and "exiting" in err or "dedicated server: rank 0 is gone, exiting" in err, err
 
 
 @pytest.mark.timeout(200)
@@ -154,7 +156,7 @@ def test_rank0_that_fails_before_close_still_exits_and_ends_its_servers() -> Non
 def test_a_failing_shard_answers_parked_pushes_at_once() -> None:
     """A push parked on a shard that then fails gets an error reply, not a wait of ``timeout`` (30 s)."""
     r0, r1 = run_workers(parked_push_refused, 2, timeout=90)
-    assert r0["type"] == "PSProtocolError", r0
-    assert r1["type"] == "PSProtocolError", r1
+    assert r0["type"] in ("PSProtocolError", "PSServerError"), r0
+    assert r1["type"] in ("PSProtocolError", "PSServerError"), r1
     assert "failed while answering" in r1["error"]
     assert r1["seconds"] < 15.0, r1  # about 1 s of rank 0's sleep; a timeout would take 30 s

@@ -8,15 +8,51 @@ the workers. Subclassing keeps Lightning's ``isinstance`` checks on the launcher
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+
+log = logging.getLogger(__name__)
 
 
 class _CheckingStrategy(Protocol):
     def check_fit_configuration(self, trainer: Any, model: Any) -> None: ...
+
+    @property
+    def tolerates_worker_loss(self) -> bool: ...
+
+
+class _LossObserver(threading.Thread):
+    """In place of Lightning's ``_ChildProcessObserver``, which kills every rank when one child dies: warns
+    once per lost child and leaves the others training (for strategies whose job survives a lost worker)."""
+
+    def __init__(self, children: list[subprocess.Popen[Any]], period: float = 2.0) -> None:
+        super().__init__(daemon=True, name="ivyplug-child-observer")
+        self._children, self._period = children, period
+
+    def run(self) -> None:
+        reported: set[int] = set()
+        while len(reported) < len(self._children):
+            time.sleep(self._period)
+            for rank, proc in enumerate(self._children, start=1):
+                code = proc.poll()
+                if code is None or rank in reported:
+                    continue
+                reported.add(rank)
+                if code != 0:
+                    log.warning(
+                        "IvyPSStrategy: rank %d (pid %d) ended with code %s; the other ranks go on",
+                        rank,
+                        proc.pid,
+                        code,
+                    )
 
 
 def _check(strategy: _CheckingStrategy, trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -36,6 +72,13 @@ class CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         _check(self._ivy_strategy, trainer, args, kwargs)
         try:
+            if self._ivy_strategy.tolerates_worker_loss and not self.cluster_environment.creates_processes_externally:
+                # Lightning's launch, but with an observer that does not end every rank when one dies
+                self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+                self._call_children_scripts()
+                _LossObserver(self.procs).start()
+                _set_num_threads_if_needed(num_processes=self.num_processes)
+                return function(*args, **kwargs)
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
             # Lightning ends the other ranks only on KeyboardInterrupt; after any other failure of rank 0

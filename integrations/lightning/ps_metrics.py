@@ -25,16 +25,11 @@ class PSMetricsLogger(Callback):
             return
         names = sorted(local)
         values = torch.tensor([float(local[n]) for n in names], dtype=torch.float64)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            parts = [torch.empty_like(values) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(parts, values)
-            gathered = torch.stack(parts)
-        else:
-            gathered = values.unsqueeze(0)
+        by_rank = self._strategy.gather_by_rank(values)
         self.last = {}
-        for rank in range(gathered.shape[0]):
+        for rank, row in sorted(by_rank.items()):
             for i, name in enumerate(names):
                 key = f"ivy/rank{rank}/{name}"
-                value = float(gathered[rank, i])
+                value = float(row[i])
                 self.last[key] = value
                 pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=False, reduce_fx="max")

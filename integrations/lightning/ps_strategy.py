@@ -22,6 +22,7 @@ group's collectives (``reduce``/``broadcast``/``barrier`` for ``sync_dist``, ``M
 from __future__ import annotations
 
 import atexit
+import builtins
 import logging
 import warnings
 from collections.abc import Callable, Mapping
@@ -44,9 +45,12 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from ivyplug.ps import typed_state
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
 from ivyplug.ps.local_updates import LocalUpdates
+from ivyplug.ps.member_group import MemberGroup, bytes_tensor, tensor_bytes
 from ivyplug.settings import project_defaults
 from ivyplug.settings import token as settings_token
 
@@ -200,6 +204,8 @@ class IvyPSStrategy(DDPStrategy):
         self._clip_norm: float | None = None
         self._in_train_batch = False
         self._metrics_logger: PSMetricsLogger | None = None
+        self._lost_ranks: list[int] = []  # workers lost during the last fit (servers outside the workers)
+        self._warned_local = False
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -365,7 +371,10 @@ class IvyPSStrategy(DDPStrategy):
         self._in_train_batch = False
 
     def teardown(self) -> None:
-        client, self._client = self._client, None
+        client = self._client
+        if client is not None and client.lost_ranks:
+            self._lost_ranks = client.lost_ranks
+        self._client = None
         self._remove_patches(getattr(self.lightning_module, "_trainer", None))
         try:
             if client is not None:
@@ -417,11 +426,105 @@ class IvyPSStrategy(DDPStrategy):
         self._client.step(num_samples=num_samples, max_grad_norm=self._clip_norm)
         return closure_result
 
+    # ------------------------------------------------------------------ collectives
+    @property
+    def tolerates_worker_loss(self) -> bool:
+        """async/ssp with servers outside the workers: a worker that dies leaves the fit to the others."""
+        return self.is_async and (self.ps_config.num_servers > 0 or self.ps_config.servers is not None)
+
+    def _members(self) -> MemberGroup | None:
+        """The live workers' group of the PS (servers outside the workers), while the PS client runs."""
+        client = self._client
+        group = getattr(client, "workers", None)
+        return group if isinstance(group, MemberGroup) else None
+
+    def _after_loss(self, what: str) -> bool:
+        """Whether a worker was lost in this job's fit, so the default process group cannot meet any more:
+        then collectives outside fit stay local (warned once)."""
+        if not self._lost_ranks:
+            return False
+        if not self._warned_local:
+            self._warned_local = True
+            log.warning(
+                "IvyPSStrategy: rank(s) %s were lost during fit; %s and later collectives stay local to this rank",
+                self._lost_ranks,
+                what,
+            )
+        return True
+
+    def gather_by_rank(self, tensor: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every live rank's ``tensor`` (CPU, same shape and dtype on every rank), by rank."""
+        members = self._members()
+        if members is not None:
+            parts = members.gather(tensor_bytes(tensor), "gathering the PS metrics")
+            return {r: bytes_tensor(raw, tensor) for r, raw in parts.items()}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and not self._after_loss("gather"):
+            parts_list = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(parts_list, tensor)
+            return dict(enumerate(parts_list))
+        return {self.global_rank: tensor}
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        members = self._members()
+        if members is not None:
+            members.barrier(f"Lightning's barrier {args[0]!r}" if args else "Lightning's barrier")
+        elif not self._after_loss("a barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        members = self._members()
+        if members is None:
+            return obj if self._after_loss("a broadcast") else super().broadcast(obj, src)
+        try:  # a typed encoding, not pickle: what Lightning broadcasts (paths, numbers, tensors) fits it
+            blob = typed_state.encode(obj) if self.global_rank == src else b""
+        except ValueError as exc:
+            raise ValueError(f"IvyPSStrategy.broadcast of a {type(obj).__name__} through the PS: {exc}") from None
+        parts = members.gather(blob, f"a broadcast from rank {src}")
+        if src not in parts:
+            raise RuntimeError(f"IvyPSStrategy.broadcast: rank {src} is gone")
+        return obj if self.global_rank == src else typed_state.decode(parts[src])
+
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """On-step ``sync_dist`` stays local in async/ssp (ranks are not in lockstep); epoch-end reduces are real."""
+        """On-step ``sync_dist`` stays local in async/ssp (ranks are not in lockstep); epoch-end reduces are real
+        (among the live workers when the servers live outside them)."""
         if self._in_train_batch and self.is_async:
             return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        members = self._members()
+        if members is None or not isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and self._after_loss("a reduce"):
+                return tensor
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        parts = torch.stack(members.all_gather(tensor.detach().cpu(), "a reduce"))
+        op = str(reduce_op).lower()
+        if "sum" in op:
+            out = parts.sum(0)
+        elif "max" in op:
+            out = parts.amax(0)
+        elif "min" in op:
+            out = parts.amin(0)
+        else:  # mean / avg
+            out = parts.double().mean(0) if not parts.is_floating_point() else parts.mean(0)
+        return out.to(device=tensor.device, dtype=tensor.dtype if out.is_floating_point() else out.dtype)
+
+    @override
+    def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        members = self._members()
+        if members is None or not isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and self._after_loss("an all_gather"):
+                return tensor.unsqueeze(0)
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        return torch.stack(members.all_gather(tensor.detach().cpu(), "an all_gather")).to(tensor.device)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        members = self._members()
+        if members is None:
+            return bool(decision) if self._after_loss("a decision") else super().reduce_boolean_decision(decision, all)
+        votes = [bool(b[0]) for b in members.gather(bytes([int(bool(decision))]), "a decision").values()]
+        return builtins.all(votes) if all else any(votes)
 
     # ------------------------------------------------------------------ global model at meeting points
     def _sync(self) -> None:

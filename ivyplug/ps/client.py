@@ -22,6 +22,7 @@ from ivyplug.ps import checkpoint, service_link, topology
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.endpoints import PendingReply, WireStats
 from ivyplug.ps.layout import FlatLayout
+from ivyplug.ps.member_group import MemberGroup
 from ivyplug.ps.messages import Header, Kind
 from ivyplug.ps.mirror import OptimizerSpec, is_elementwise
 from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in
@@ -73,7 +74,8 @@ class PSClient:
         self.spec: OptimizerSpec
         self.optimizer: Any = None
         self.layout: FlatLayout
-        self.workers: WorkerGroup
+        self.workers: WorkerGroup | MemberGroup
+        self._launch_group: WorkerGroup | None = None  # the group of the start, while a MemberGroup serves
         self.topo: topology.Topology
         self.stop = threading.Event()
         self.epoch: int | None = None
@@ -149,6 +151,10 @@ class PSClient:
             self.topo = topology.dedicated(*args)
         else:
             self.topo = topology.colocated(*args)
+        if self.topo.link is not None and world_size > 1:
+            # from here on the workers meet through the service: a worker that dies leaves, never hangs them
+            self._launch_group = self.workers
+            self.workers = MemberGroup(self.topo.link, rank, world_size, cfg.timeout, self.m.wire)
         return self
 
     @property
@@ -379,6 +385,11 @@ class PSClient:
             "nonfinite_skipped": float(m.nonfinite_skipped),
         }
 
+    @property
+    def lost_ranks(self) -> list[int]:
+        """Workers of this job that left it while it ran (servers outside the workers only)."""
+        return list(self.workers.lost) if isinstance(self.workers, MemberGroup) else []
+
     def server_versions(self) -> dict[int, int]:
         """Version of the shard this rank serves (local, no communication)."""
         assert self.topo.local is not None
@@ -401,6 +412,8 @@ class PSClient:
             return
         err: BaseException | None = None
         try:
+            if isinstance(self.workers, MemberGroup):  # it meets through the service: before the goodbye
+                self.workers.barrier("every rank to close the PS")
             for r in topo.loop_ranks:
                 channel.send(r, Header(kind=Kind.BYE, sender=self.rank), wait=True)
             if topo.loop is not None:
@@ -411,7 +424,8 @@ class PSClient:
                         f"close the PS ({topo.loop.byes} of {len(topo.loop.expect_bye)} said goodbye)"
                     )
             channel.flush()
-            self.workers.barrier("every rank to close the PS")
+            if not isinstance(self.workers, MemberGroup):
+                self.workers.barrier("every rank to close the PS")
             deadline = time.monotonic() + self.cfg.timeout
             for p in topo.server_procs:
                 p.join(max(0.1, deadline - time.monotonic()))
@@ -430,6 +444,8 @@ class PSClient:
         if topo.owns_p2p_group:
             dist.destroy_process_group(topo.p2p_group)
         self.workers.close()
+        if self._launch_group is not None:
+            self._launch_group.close()
         topo.p2p_group = None
         topo.channel = None
         topo.store = None

@@ -45,6 +45,9 @@ class Kind:
     #            arg1 = the slot asked for (-1: any), arg2 = the job's worker count; reply arg0 = the slot given,
     #            arg1 = 1 if the job was created from this worker's values, arg2 = the servers' worker slots
     EPOCH = 12  # ivyplug serve: refill the batch queue (arg0 = epoch, arg1 = batches); reply when done
+    GATHER = 13  # ivyplug serve: a collective among the live workers (payload = this worker's bytes in words,
+    #              arg0 = their length, arg1 = the collective's number); reply arg0 = the result's length
+    GATHER_FETCH = 14  # ivyplug serve: the result of collective arg1 (reply payload, arg0 = its length)
     REPLY = 16
 
 

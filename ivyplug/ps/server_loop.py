@@ -31,6 +31,8 @@ _WANTS_REPLY = (
     Kind.STATE_FETCH,
     Kind.LOAD,
     Kind.EPOCH,
+    Kind.GATHER,
+    Kind.GATHER_FETCH,
 )
 _NEEDS_SHARD = (Kind.PUSH_PULL, Kind.PULL, Kind.NORM, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
 #: largest state or description blob a member may announce (a LOAD carries one shard's state)
@@ -38,6 +40,14 @@ MAX_BLOB_BYTES = 1 << 34
 #: largest payloads (fp32 values, fp64 hyperparameters) a member may announce at all
 MAX_PAYLOAD = MAX_BLOB_BYTES // 4
 MAX_HYPER = 1 << 24
+
+
+class Rendezvous(Protocol):
+    """Collectives among the live workers of an ``ivyplug serve`` job (service.py)."""
+
+    def gather(self, slot: int, seq: int, blob: bytes) -> Future[int]: ...
+
+    def result(self, seq: int) -> bytes: ...
 
 
 class Traffic(Protocol):
@@ -60,6 +70,7 @@ class ServerLoop(threading.Thread):
         on_workers_done: Callable[[], None] | None = None,
         member: int | None = None,
         traffic: Traffic | None = None,
+        rendezvous: Rendezvous | None = None,
     ) -> None:
         """``expect_bye``: ranks whose BYE ends the loop; ``on_workers_done`` runs once every rank in
         ``workers`` said BYE (a dedicated server then says BYE to the other servers). ``member``: the loop
@@ -77,6 +88,7 @@ class ServerLoop(threading.Thread):
         self.stop = stop
         self.member = member
         self.traffic = traffic
+        self.rendezvous = rendezvous
         self.bye_from: set[int] = set()
         self.error: BaseException | None = None
         self._state_blob = b""
@@ -129,6 +141,8 @@ class ServerLoop(threading.Thread):
             return target.n_total
         if request.kind == Kind.STATE_FETCH:
             return (len(self._state_blob) + 3) // 4
+        if request.kind == Kind.GATHER_FETCH:  # the worker posted a receive of the size it was told (arg0)
+            return (max(0, min(request.arg0, MAX_BLOB_BYTES)) + 3) // 4
         return 0
 
     def run(self) -> None:
@@ -194,7 +208,7 @@ class ServerLoop(threading.Thread):
             raise PSProtocolError(f"worker {self.member} announced a payload of {h.numel} + {h.n_hyper} values")
         allowed = (
             Kind.PUSH_PULL, Kind.PULL, Kind.IDLE, Kind.BYE, Kind.NEXT_BATCH, Kind.STOP, Kind.STATE_SIZE,
-            Kind.STATE_FETCH, Kind.LOAD, Kind.EPOCH,
+            Kind.STATE_FETCH, Kind.LOAD, Kind.EPOCH, Kind.GATHER, Kind.GATHER_FETCH,
         )  # fmt: skip
         if h.kind not in allowed:
             raise PSProtocolError(f"worker {self.member} sent a message of kind {h.kind}, which members may not send")
@@ -206,9 +220,9 @@ class ServerLoop(threading.Thread):
                 numel, n_hyper = target.n_total, target.n_hyper
         else:
             h.shard = -1  # requests of the service itself: their replies come back on stream 0
-        if h.kind == Kind.LOAD:
+        if h.kind in (Kind.LOAD, Kind.GATHER):
             if not 0 <= h.arg0 <= MAX_BLOB_BYTES:
-                return f"worker {self.member} announced a state of {h.arg0} bytes"
+                return f"worker {self.member} announced {h.arg0} bytes"
             numel = (h.arg0 + 3) // 4
         if h.kind == Kind.PUSH_PULL and (h.numel, h.n_hyper) != (numel, n_hyper):
             return (
@@ -221,6 +235,18 @@ class ServerLoop(threading.Thread):
                 f"values; it must carry {numel} + {n_hyper}"
             )
         return None
+
+    def _answer_gather(self, to: int, request: Header, fut: Future[int]) -> None:
+        try:
+            exc = fut.exception()
+            if exc is not None:
+                self._reply_error(to, request, f"{type(exc).__name__}: {exc}")
+            else:
+                self._reply(to, request, None, arg0=fut.result())
+        except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
+            print(
+                f"[ivyplug.ps] rank {self.channel.rank} could not answer {to}: {send_exc}", file=sys.stderr, flush=True
+            )
 
     def _answer(self, to: int, request: Header, fut: Future[Reply]) -> None:
         """Send a push's or pull's reply once its future is resolved (on the resolving thread)."""
@@ -274,6 +300,17 @@ class ServerLoop(threading.Thread):
                 raise RuntimeError(f"rank {self.channel.rank} holds no batch queue")
             self.queue.reset(h.arg0, h.arg1)
             self._reply(to, h, None)
+        elif h.kind in (Kind.GATHER, Kind.GATHER_FETCH):
+            if self.rendezvous is None or self.member is None:
+                raise RuntimeError(f"rank {self.channel.rank} runs no collectives (an ivyplug serve does)")
+            if h.kind == Kind.GATHER:
+                assert data is not None or h.arg0 == 0
+                blob = words_to_bytes(data, h.arg0) if data is not None else b""
+                done = self.rendezvous.gather(self.member, h.arg1, blob)
+                done.add_done_callback(lambda f: self._answer_gather(to, h, f))
+            else:
+                result = self.rendezvous.result(h.arg1)
+                self._reply(to, h, bytes_to_words(result), arg0=len(result))
         elif h.kind == Kind.STOP:
             self.stop.set()
         elif h.kind == Kind.BYE:

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -70,6 +71,72 @@ class Traffic:
         return out
 
 
+class Rendezvous:
+    """Collectives among a job's live workers (its own lock): round ``seq`` completes once every live
+    worker contributed; a worker lost meanwhile no longer counts. Lightning's ``barrier``, ``broadcast``,
+    ``reduce`` and the PS client's own collectives run on it, so a dead worker never hangs the others."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._members: set[int] = set()
+        self._rounds: dict[int, dict[int, bytes]] = {}
+        self._waiting: dict[int, list[Future[int]]] = {}
+        self._results: dict[int, bytes] = {}
+
+    def join(self, slot: int) -> None:
+        with self._lock:
+            if not self._members:  # a new run: its collectives count from 1 again
+                self._rounds, self._waiting, self._results = {}, {}, {}
+            self._members.add(slot)
+
+    def leave(self, slot: int) -> None:
+        with self._lock:
+            self._members.discard(slot)
+            done = [seq for seq in self._rounds if self._complete(seq)]
+            ready = [self._finish(seq) for seq in done]
+        self._resolve(ready)
+
+    def gather(self, slot: int, seq: int, blob: bytes) -> Future[int]:
+        """This worker's part of round ``seq``; the future gives the result's length once it completes."""
+        fut: Future[int] = Future()
+        with self._lock:
+            if seq in self._results:
+                raise PSProtocolError(f"worker {slot} joined collective {seq} after it completed")
+            self._rounds.setdefault(seq, {})[slot] = blob
+            self._waiting.setdefault(seq, []).append(fut)
+            ready = [self._finish(seq)] if self._complete(seq) else []
+        self._resolve(ready)
+        return fut
+
+    def result(self, seq: int) -> bytes:
+        with self._lock:
+            if seq not in self._results:
+                raise PSProtocolError(f"collective {seq} has no result (not complete, or long gone)")
+            return self._results[seq]
+
+    def _complete(self, seq: int) -> bool:
+        return self._members <= set(self._rounds[seq])
+
+    def _finish(self, seq: int) -> tuple[list[Future[int]], int]:
+        parts = self._rounds.pop(seq)
+        slots = sorted(parts)
+        blobs = [
+            torch.frombuffer(bytearray(parts[s]), dtype=torch.uint8) if parts[s] else torch.zeros(0, dtype=torch.uint8)
+            for s in slots
+        ]
+        self._results[seq] = typed_state.encode({"slots": slots, "blobs": blobs})
+        for old in [k for k in self._results if k < seq - 2]:  # every live worker fetched those already
+            del self._results[old]
+        return self._waiting.pop(seq, []), len(self._results[seq])
+
+    @staticmethod
+    def _resolve(ready: list[tuple[list[Future[int]], int]]) -> None:
+        for futures, size in ready:
+            for fut in futures:
+                if not fut.done():
+                    fut.set_result(size)
+
+
 @dataclass
 class Job:
     """The model the shards hold: what the first worker described, and the shards built from it."""
@@ -81,6 +148,7 @@ class Job:
     num_workers: int
     shards: dict[int, Shard]
     queue: BatchQueue
+    rendezvous: Rendezvous = field(default_factory=Rendezvous)
     stop: threading.Event = field(default_factory=threading.Event)
 
 
@@ -218,7 +286,16 @@ class PSService:
             slot, job = self._join(member, channel)
             if slot is None or job is None:
                 return
-            loop = ServerLoop(channel, job.shards, job.queue, {1}, job.stop, member=slot, traffic=self.traffic)
+            loop = ServerLoop(
+                channel,
+                job.shards,
+                job.queue,
+                {1},
+                job.stop,
+                member=slot,
+                traffic=self.traffic,
+                rendezvous=job.rendezvous,
+            )
             loop.run()  # on this thread: ends at the member's BYE, or when its pair breaks
             if loop.error is not None:
                 self._leave(slot, f"its connection broke ({loop.error})")
@@ -259,6 +336,7 @@ class PSService:
             return None, None
         for shard in job.shards.values():
             shard.join(slot)
+        job.rendezvous.join(slot)
         channel.send(
             1,
             Header(kind=Kind.REPLY, sender=0, seq=h.seq, arg0=slot, arg1=int(created), arg2=job.num_workers),
@@ -322,6 +400,9 @@ class PSService:
         if job is not None:
             for shard in job.shards.values():
                 shard.leave(slot, reason)
+            job.rendezvous.leave(slot)
+            if reason is not None:  # the batches it may not have finished go back to the queue
+                job.queue.release(slot)
         if left == 0:
             self.emptied.set()
         how = "left" if reason is None else f"is gone: {reason}"

@@ -139,7 +139,7 @@ def test_dedicated_servers_exit_when_rank0_is_killed() -> None:
         assert _wait_gone(job.servers, 10.0), "a dedicated server outlived its rank 0"
     # it saw its only worker's connection close (or, as a backstop, its watchdog saw rank 0 gone)
     err = "".join(job.stderr)
-    assert "worker 0 is gone" in err and "exiting" in err or "dedicated server: rank 0 is gone, exiting" in err, err
+    assert ("worker 0 is gone" in err and "exiting" in err) or "dedicated server: rank 0 is gone, exiting" in err, err
 
 
 @pytest.mark.timeout(200)

@@ -1,0 +1,71 @@
+"""A popen-launched 2-rank fit in which rank 1 SIGKILLs itself mid-epoch; rank 0 must finish the fit.
+
+``python worker_loss_job.py OUT MODE WHERE``: MODE ``async`` or ``ssp``; WHERE a number of dedicated servers
+or the address of an ``ivyplug serve``. Rank 0 writes OUT/result.json: the epochs and steps it ran, its
+validation accuracy, the lost ranks, the checkpoint it saved and whether that checkpoint loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from ivyplug.integrations.lightning import IvyPSStrategy
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from tests.integrations.lightning.digits import DigitsMLP  # noqa: E402
+
+KILL_AT = 8  # rank 1's batch of epoch 0 at which it dies
+
+
+class DieMidEpoch(pl.Callback):
+    def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == 1 and trainer.current_epoch == 0 and batch_idx == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    out, mode, where = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    pl.seed_everything(0)
+    placement = {"num_servers": int(where)} if where.isdigit() else {"servers": where}
+    strategy = IvyPSStrategy(mode=mode, staleness=2 if mode == "ssp" else None, timeout=30, **placement)
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1, save_last=True)  # one per epoch
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        callbacks=[DieMidEpoch(), checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = DigitsMLP(lr=0.05)
+    trainer.fit(model)
+    if trainer.global_rank != 0:
+        return
+    loaded = torch.load(checkpoint.last_model_path, map_location="cpu", weights_only=False)
+    again = DigitsMLP(lr=0.05)
+    again.load_state_dict(loaded["state_dict"])
+    same = all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values(), strict=True))
+    result = {
+        "epochs": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "val_acc": float(trainer.callback_metrics["val_acc"]),
+        "lost": strategy._lost_ranks,
+        "last": checkpoint.last_model_path,
+        "checkpoint_epoch": loaded["epoch"],
+        "checkpoint_matches_model": same,
+    }
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

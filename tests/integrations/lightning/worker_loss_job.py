@@ -20,7 +20,7 @@ from ivyplug.integrations.lightning import IvyPSStrategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from tests.integrations.lightning.digits import DigitsMLP  # noqa: E402
+from tests.integrations.lightning.digits import DigitsMLP
 
 KILL_AT = 8  # rank 1's batch of epoch 0 at which it dies
 

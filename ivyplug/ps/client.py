@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ivyplug.ps import checkpoint, service_link, topology
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.endpoints import PendingReply, WireStats
+from ivyplug.ps.endpoints import PendingReply, PSServerError, WireStats
 from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.member_group import MemberGroup
 from ivyplug.ps.messages import Header, Kind
@@ -200,7 +200,15 @@ class PSClient:
         """Wait for every shard's reply, unpack it; returns the replies' staleness."""
         staleness = []
         for s, reply in pending:
-            r = reply.result(self.cfg.timeout)
+            try:
+                r = reply.result(self.cfg.timeout)
+            except (PSProtocolError, PSTimeoutError) as exc:
+                link = self.topo.link
+                if link is None:
+                    raise
+                what = "dedicated servers" if self.cfg.num_servers else "ivyplug serve"
+                text = f"the {what} at {link.address} (shard {s}): {exc}"
+                raise (PSServerError(text, exc.text) if isinstance(exc, PSServerError) else type(exc)(text)) from exc
             staleness.append(r.staleness)
             self.layout.unpack(s, r.snapshot)
         if self.topo.channel is not None:

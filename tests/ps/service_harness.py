@@ -62,9 +62,9 @@ def _kill(proc: subprocess.Popen[Any]) -> None:
 
 
 @contextlib.contextmanager
-def serve(*args: str) -> Iterator[Serve]:
-    """``ivyplug serve --port 0 ARGS`` until the block ends (killed with its process group if still alive)."""
-    cmd = [sys.executable, "-m", "ivyplug", "serve", "--port", "0", *args]
+def serve(*args: str, port: str = "0") -> Iterator[Serve]:
+    """``ivyplug serve --port PORT ARGS`` until the block ends (killed with its process group if still alive)."""
+    cmd = [sys.executable, "-m", "ivyplug", "serve", "--port", port, "--status-every", "1", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env

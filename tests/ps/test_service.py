@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,7 @@ def test_state_dir_snapshots_and_a_restarted_serve_resumes(tmp_path: Path) -> No
         assert rc == 0, text
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(30) == 0
-        assert (state / "job.ivys").exists()
+        assert (state / "job.ivys").exists(), s.log()
     r1 = result(first)
     with serve(*args) as s, workers(tmp_path) as w:
         assert "resumed at version 30" in s.wait_for("listening on")
@@ -126,3 +127,31 @@ def test_bad_options_are_refused_before_anything_listens(args: list[str], messag
     )
     assert proc.returncode == 2
     assert message in proc.stderr and "listening" not in proc.stdout
+
+
+def test_a_killed_serve_ends_its_workers_naming_it_and_a_restart_from_its_state_dir_resumes(tmp_path: Path) -> None:
+    from tests.ps.harness import free_port
+
+    state, port = tmp_path / "state", str(free_port())
+    args = ("--shards", "2", "--workers", "1", "--state-dir", str(state), "--snapshot-every", "0.3")
+    with serve(*args, port=port) as s, workers(tmp_path) as w:
+        victim = w.start(s.address, "victim", "--steps", "400", "--sleep", "0.02", "--timeout", "20")
+        s.wait_for("worker 0 joined")
+        deadline = time.monotonic() + 60
+        while not (state / "job.ivys").exists() or not any(" pushes/s" in x and "version 0" not in x for x in s.lines):
+            assert time.monotonic() < deadline, s.log()
+            time.sleep(0.1)  # until it served pushes and snapshotted them
+        time.sleep(0.5)
+        os.kill(s.proc.pid, signal.SIGKILL)
+        ((rc, text),) = w.wait(timeout=60)
+        assert rc != 0
+        assert f"ivyplug serve at {s.address}" in text and "gone" in text, text[-3000:]
+        assert (state / "job.ivys").exists(), s.log()
+        address = s.address
+    with serve(*args, port=port) as s, workers(tmp_path) as w:
+        assert "resumed at version" in s.wait_for("listening on") and s.address == address
+        again = w.start(s.address, "again", "--steps", "1")
+        ((rc, text),) = w.wait()
+        assert rc == 0, text
+    r = result(again)
+    assert r["created"] is False and r["start_loss"] < 0.5 * 0.7  # trained state (a fresh model starts at ~0.7)

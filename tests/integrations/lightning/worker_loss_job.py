@@ -20,15 +20,28 @@ from ivyplug.integrations.lightning import IvyPSStrategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from tests.integrations.lightning.digits import DigitsMLP
+from tests.integrations.lightning.digits import DigitsMLP, digits_tensors
 
 KILL_AT = 8  # rank 1's batch of epoch 0 at which it dies
 
 
 class DieMidEpoch(pl.Callback):
+    """Rank 1 dies at batch ``KILL_AT`` of epoch 0."""
+
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank == 1 and trainer.current_epoch == 0 and batch_idx == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StartAccuracy(pl.Callback):
+    """Validation accuracy of the model each fit starts from (after the strategy pulled the servers' copy)."""
+
+    value = -1.0
+
+    def on_train_start(self, trainer: pl.Trainer, module: Any) -> None:
+        _, _, xv, yv = digits_tensors()
+        with torch.no_grad():
+            StartAccuracy.value = float((module(xv).argmax(-1) == yv).float().mean())
 
 
 def main() -> None:
@@ -42,7 +55,7 @@ def main() -> None:
         devices=2,
         strategy=strategy,
         max_epochs=2,
-        callbacks=[DieMidEpoch(), checkpoint],
+        callbacks=[DieMidEpoch(), StartAccuracy(), checkpoint],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -63,6 +76,7 @@ def main() -> None:
         "last": checkpoint.last_model_path,
         "checkpoint_epoch": loaded["epoch"],
         "checkpoint_matches_model": same,
+        "start_acc": StartAccuracy.value,
     }
     (out / "result.json").write_text(json.dumps(result))
 

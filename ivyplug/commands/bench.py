@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "balance": "ivyplug.benchmarks.balance",
     "ps": "ivyplug.benchmarks.ps",
     "keras_overhead": "ivyplug.benchmarks.keras_overhead",
+    "scale": "ivyplug.benchmarks.scale",
 }
 
 

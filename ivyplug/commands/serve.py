@@ -29,6 +29,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None, help="snapshot the shards here and resume from them")
     parser.add_argument("--snapshot-every", type=float, default=None, help="seconds between snapshots")
     parser.add_argument("--timeout", type=float, default=120.0, help="bound of every wait on a worker (s)")
+    parser.add_argument(
+        "--join", default=None, metavar="HOST:PORT", help="hold more shards of the job of the ivyplug serve there"
+    )
     parser.add_argument("--status-every", type=float, default=60.0, help="seconds between status lines")
 
 
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
             snapshot_every=snapshot_every,
             timeout=args.timeout,
             status_every=args.status_every,
+            join=args.join,
         )
     except (ValueError, RuntimeError) as exc:
         print(f"ivyplug serve: {exc}", file=sys.stderr)

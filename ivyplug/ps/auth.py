@@ -38,7 +38,7 @@ class PSAuthError(PermissionError):
     """The token (or the wire version) of a peer does not match."""
 
 
-def _mac(token: str | None, *parts: bytes) -> str:
+def mac(token: str | None, *parts: bytes) -> str:
     return hmac.new((token or "").encode(), b"|".join(parts), hashlib.sha256).hexdigest()
 
 
@@ -79,7 +79,7 @@ def _nonce(value: Any, what: str) -> bytes:
 
 def session_prefix(token: str | None, server_nonce: bytes, worker_nonce: bytes, member: int) -> str:
     """The store prefix of the member's gloo pair (unguessable without the token)."""
-    return f"{PREFIX}/pair/{member}/{_mac(token, b'pair', server_nonce, worker_nonce)[:32]}"
+    return f"{PREFIX}/pair/{member}/{mac(token, b'pair', server_nonce, worker_nonce)[:32]}"
 
 
 def client_handshake(store: Any, token: str | None, timeout: float, where: str) -> tuple[int, str, dict[str, Any]]:
@@ -94,14 +94,14 @@ def client_handshake(store: Any, token: str | None, timeout: float, where: str) 
             f"{WIRE_VERSION}: run the same ivyplug version on both"
         )
     theirs = _nonce(challenge.get("nonce"), f"ivyplug serve at {where}")
-    expected = _mac(token, b"server", mine, theirs)
+    expected = mac(token, b"server", mine, theirs)
     if not hmac.compare_digest(str(challenge.get("proof", "")), expected):
         _put(store, _key("proof", member), {"proof": ""})  # the server then records a refusal too
         raise PSAuthError(
             f"ivyplug serve at {where} could not prove it holds this worker's token (a different token, or none "
             "on one side): pass the token the server was started with (token= or IVYPLUG_TOKEN)"
         )
-    _put(store, _key("proof", member), {"proof": _mac(token, b"worker", theirs, mine)})
+    _put(store, _key("proof", member), {"proof": mac(token, b"worker", theirs, mine)})
     verdict = _get(store, _key("verdict", member), timeout, f"ivyplug serve at {where} to accept this worker")
     if not verdict.get("ok"):
         raise PSAuthError(f"ivyplug serve at {where} refused this worker: {verdict.get('reason', 'no reason given')}")
@@ -126,10 +126,10 @@ def server_handshake(
     _put(
         store,
         _key("challenge", member),
-        {"wire": WIRE_VERSION, "nonce": mine.hex(), "proof": _mac(token, b"server", theirs, mine)},
+        {"wire": WIRE_VERSION, "nonce": mine.hex(), "proof": mac(token, b"server", theirs, mine)},
     )
     proof = _get(store, _key("proof", member), timeout, f"member {member}'s proof of the token")
-    if not hmac.compare_digest(str(proof.get("proof", "")), _mac(token, b"worker", mine, theirs)):
+    if not hmac.compare_digest(str(proof.get("proof", "")), mac(token, b"worker", mine, theirs)):
         reason = "wrong token (its proof did not match this server's token)"
         _put(store, _key("verdict", member), {"ok": False, "reason": reason})
         return reason, ""

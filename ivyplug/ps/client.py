@@ -8,10 +8,11 @@ start, checkpoints, close) run on a group of their own (worker_group.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -200,20 +201,27 @@ class PSClient:
         """Wait for every shard's reply, unpack it; returns the replies' staleness."""
         staleness = []
         for s, reply in pending:
-            try:
-                r = reply.result(self.cfg.timeout)
-            except (PSProtocolError, PSTimeoutError) as exc:
-                link = self.topo.link
-                if link is None:
-                    raise
-                what = "dedicated servers" if self.cfg.num_servers else "ivyplug serve"
-                text = f"the {what} at {link.address} (shard {s}): {exc}"
-                raise (PSServerError(text, exc.text) if isinstance(exc, PSServerError) else type(exc)(text)) from exc
+            r = reply.result(self.cfg.timeout)
             staleness.append(r.staleness)
             self.layout.unpack(s, r.snapshot)
         if self.topo.channel is not None:
             self.topo.channel.flush()
+        for other in self.topo.others:
+            other.channel.flush()
         return staleness
+
+    @contextlib.contextmanager
+    def _servers_named(self) -> Iterator[None]:
+        """Errors of a request to servers outside the workers name where they are (the rank says nothing)."""
+        try:
+            yield
+        except (PSProtocolError, PSTimeoutError) as exc:
+            link = self.topo.link
+            if link is None:
+                raise
+            what = "dedicated servers" if self.cfg.num_servers else "ivyplug serve"
+            text = f"the {what} at {link.address}: {exc}"
+            raise (PSServerError(text, exc.text) if isinstance(exc, PSServerError) else type(exc)(text)) from exc
 
     def pull_initial(self) -> None:
         """Replace this rank's params and buffers with the servers' copy (initialised from rank 0)."""
@@ -221,8 +229,9 @@ class PSClient:
 
     def _pull_all(self) -> None:
         self._check_open()
-        pending = [(s, ep.pull(self.rank)) for s, ep in self.topo.endpoints.items()]
-        self._collect(pending)
+        with self._servers_named():
+            pending = [(s, ep.pull(self.rank)) for s, ep in self.topo.endpoints.items()]
+            self._collect(pending)
         self.m.pulls += 1
 
     def step(self, num_samples: int, max_grad_norm: float | None = None, *, delta: bool = False) -> None:
@@ -246,13 +255,19 @@ class PSClient:
                 total = torch.nn.utils.get_total_norm(grads)
                 clip = float(torch.clamp(max_grad_norm / (total + 1e-6), max=1.0))
         sync_clip = float(max_grad_norm) if (max_grad_norm is not None and self.cfg.mode == "sync") else -1.0
+        if sync_clip >= 0 and self.topo.others:
+            raise ValueError(
+                "max_grad_norm in sync mode clips by the global norm, which the shards of a job on several ivyplug "
+                "serve processes cannot combine (yet): hold every shard in one service, or clip in async/ssp"
+            )
         packed = {s: self.layout.pack(s, clip) for s in self.topo.endpoints}
         flags = self._check_push(packed) | (PushFlag.DELTA if delta else 0)
         has_grad = encode_mask([p.grad is not None for _, p in self.params])
         prefix = torch.tensor([sync_clip, float(num_samples), float(flags), *has_grad], dtype=torch.float64)
         hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
-        pending = [(s, ep.push_pull(self.rank, packed[s], hyper)) for s, ep in self.topo.endpoints.items()]
-        staleness = self._collect(pending)
+        with self._servers_named():
+            pending = [(s, ep.push_pull(self.rank, packed[s], hyper)) for s, ep in self.topo.endpoints.items()]
+            staleness = self._collect(pending)
         self.m.pushes += 1
         self.m.pulls += 1
         # the servers stepped this optimizer's mirror: tell LR schedulers so (they warn otherwise)
@@ -342,6 +357,8 @@ class PSClient:
         for r in self.topo.loop_ranks:
             assert channel is not None
             self.m.wire.bytes_sent += channel.send(r, Header(kind=Kind.STOP, sender=self.rank), wait=True)
+        for other in self.topo.others:
+            self.m.wire.bytes_sent += other.channel.send(0, Header(kind=Kind.STOP, sender=self.rank), wait=True)
 
     def stop_requested(self) -> bool:
         return self.stop.is_set() or self.m.wire.remote_stop
@@ -424,6 +441,8 @@ class PSClient:
                 self.workers.barrier("every rank to close the PS")
             for r in topo.loop_ranks:
                 channel.send(r, Header(kind=Kind.BYE, sender=self.rank), wait=True)
+            for other in topo.others:
+                other.channel.send(0, Header(kind=Kind.BYE, sender=self.rank), wait=True)
             if topo.loop is not None:
                 topo.loop.join(self.cfg.timeout)
                 if topo.loop.is_alive():

@@ -20,6 +20,7 @@ this process; norms of sync-mode clipping go shard to shard in-process.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import os
 import socket
@@ -183,9 +184,15 @@ class PSService:
         timeout: float = DEFAULT_TIMEOUT_S,
         status_every: float | None = 60.0,
         log: Callable[[str], None] | None = None,
+        join: str | None = None,
     ) -> None:
         check_options(num_shards, host, port, token, num_workers, state_dir, snapshot_every)
+        if join is not None and state_dir is not None:
+            raise ValueError("--state-dir is not supported with --join yet (snapshot the first service only)")
         self.num_shards = num_shards
+        self.first = 0  # the global index of this service's first shard (a joined service: told by the first)
+        #: the services of the job, this one first: address, first shard, shard count (the first service only)
+        self.services: list[dict[str, Any]] = []
         self.host = host
         self.token = token or None
         self.num_workers = num_workers
@@ -201,6 +208,7 @@ class PSService:
         self.job: Job | None = None
         self.slots: dict[int, int] = {}  # worker slot -> member number
         self.refused = 0
+        self._warned_snapshot = False
         self._groups: dict[int, Any] = {}
         self._threads: list[threading.Thread] = []
         # the store listens on a socket bound here (given a port, TCPStore alone listens on every interface)
@@ -217,6 +225,10 @@ class PSService:
             timeout=timedelta(seconds=timeout),
             master_listen_fd=self._sock.fileno(),
         )
+        self.services = [{"address": self.address, "first": 0, "count": num_shards}]
+        self.join = join
+        if join is not None:
+            self.first = self._register(join)
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self._resume()
@@ -236,6 +248,9 @@ class PSService:
         auth_text = "token required" if self.token else "no token (loopback only)"
         where = f", snapshots in {self.state_dir} every {self.snapshot_every:g} s" if self.state_dir else ""
         resumed = f", resumed at version {self.version()}" if self.job is not None else ""
+        if self.join is not None:
+            last = self.first + self.num_shards - 1
+            resumed += f", shards {self.first}..{last} of the job served from {self.join}"
         return (
             f"ivyplug serve: listening on {self.address} ({self.num_shards} shards, {workers} worker slots, "
             f"{auth_text}{where}{resumed})"
@@ -243,9 +258,67 @@ class PSService:
 
     def _publish(self) -> None:
         """What anyone may read before joining (auth.INFO_KEY): the shard count and the worker slots."""
+        self.store.set(auth.INFO_KEY, json.dumps(self._info()))
+
+    def _info(self) -> dict[str, Any]:
+        """What a worker learns before joining: the job's shard count, worker slots, and every service."""
         job = self.job
-        info = {"shards": self.num_shards, "workers": job.num_workers if job is not None else self.num_workers}
-        self.store.set(auth.INFO_KEY, json.dumps(info))
+        with self._lock:
+            services = [dict(x) for x in self.services]
+        total = sum(x["count"] for x in services) if self.join is None else self.num_shards
+        workers = job.num_workers if job is not None else self.num_workers
+        return {"shards": total, "workers": workers, "services": services, "first": self.first}
+
+    def total_shards(self) -> int:
+        with self._lock:
+            return sum(x["count"] for x in self.services)
+
+    # -- several services for one job -----------------------------------------------------------------
+    def _register(self, primary: str) -> int:
+        """Join the service at ``primary`` as one more holder of the job's shards; returns the first index."""
+        from ivyplug.ps.config import parse_address
+
+        host, port = parse_address(primary, "--join")
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
+        n = int(store.add(f"{auth.PREFIX}/services", 1))
+        proof = auth.mac(self.token, b"service", self.address.encode(), str(self.num_shards).encode(), str(n).encode())
+        record = {"address": self.address, "count": self.num_shards, "proof": proof}
+        store.set(f"{auth.PREFIX}/service/{n}", json.dumps(record))
+        key = f"{auth.PREFIX}/service/{n}/verdict"
+        try:
+            store.wait([key], timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise ValueError(f"the ivyplug serve at {primary} did not answer this service's registration") from exc
+        verdict = json.loads(bytes(store.get(key)).decode())
+        if not verdict.get("ok"):
+            raise ValueError(f"the ivyplug serve at {primary} refused this service: {verdict.get('reason')}")
+        self._primary_store = store  # kept open for the life of this service
+        return int(verdict["first"])
+
+    def _admit_service(self, n: int) -> None:
+        """A service asking to hold more of the job's shards (the first service only)."""
+        raw = json.loads(bytes(self.store.get(f"{auth.PREFIX}/service/{n}")).decode())
+        expected = auth.mac(
+            self.token, b"service", str(raw.get("address")).encode(), str(raw.get("count")).encode(), str(n).encode()
+        )
+        reason = None
+        if not hmac.compare_digest(str(raw.get("proof", "")), expected):
+            reason = "wrong token"
+        elif not isinstance(raw.get("count"), int) or raw["count"] < 1:
+            reason = "a shard count must be an int >= 1"
+        with self._lock:
+            if reason is None and self.job is not None:
+                reason = "the job's shards are placed already (start every service before the first worker)"
+            if reason is None:
+                first = sum(x["count"] for x in self.services)
+                self.services.append({"address": raw["address"], "first": first, "count": raw["count"]})
+        verdict = {"ok": False, "reason": reason} if reason else {"ok": True, "first": first}
+        self.store.set(f"{auth.PREFIX}/service/{n}/verdict", json.dumps(verdict))
+        if reason:
+            self.log(f"ivyplug serve: refused service {raw.get('address')}: {reason}")
+        else:
+            self.log(f"ivyplug serve: service {raw['address']} holds shards {first}..{first + raw['count'] - 1}")
+            self._publish()
 
     def version(self) -> int:
         job = self.job
@@ -257,8 +330,15 @@ class PSService:
 
     # -- accepting members ----------------------------------------------------------------------------
     def _accept(self) -> None:
-        member = 0
+        member, service = 0, 1
         while not self.closed.is_set():
+            if self.join is None and self.store.check([f"{auth.PREFIX}/service/{service}"]):
+                try:
+                    self._admit_service(service)
+                except Exception as exc:  # a malformed registration never ends the service
+                    self.log(f"ivyplug serve: a service registration failed: {type(exc).__name__}: {exc}")
+                service += 1
+                continue
             if not self.store.check([f"{auth.PREFIX}/hello/{member}"]):
                 time.sleep(0.05)  # a non-blocking look: a store wait that times out logs a warning each time
                 continue
@@ -272,7 +352,7 @@ class PSService:
         slot: int | None = None
         group = None
         try:
-            accept = {"shards": self.num_shards, "workers": self.num_workers}
+            accept = self._info()
             reason, prefix = auth.server_handshake(self.store, member, self.token, self.timeout, accept)
             if reason is not None:
                 with self._lock:
@@ -352,8 +432,10 @@ class PSService:
             created = False
             if self.job is None:
                 workers = self.num_workers or max(1, int(job_size))
-                self.job = self._build(desc, workers, blob.get("values"))
-                self._publish()
+                total = sum(x["count"] for x in self.services) if self.join is None else int(blob["num_shards"])
+                if int(blob.get("num_shards", total)) != total:
+                    raise ValueError(f"the worker plans {blob['num_shards']} shards, the services hold {total}")
+                self.job = self._build(desc, workers, blob.get("values"), total)
                 created = True
             else:
                 diff = job_description.difference(self.job.description, desc)
@@ -376,12 +458,18 @@ class PSService:
                     )
                 slot = free[0]
             self.slots[slot] = member
-            return slot, created, job
+        if created:
+            self._publish()
+        return slot, created, job
 
-    def _build(self, desc: dict[str, Any], num_workers: int, values: Any) -> Job:
-        cfg, plan, spec = job_description.build(desc, self.num_shards, self.timeout)
+    def _build(self, desc: dict[str, Any], num_workers: int, values: Any, total: int | None = None) -> Job:
+        """The shards this service holds of the job (all of them, or its range of a job on several services)."""
+        total = self.num_shards if total is None else total
+        if not self.first + self.num_shards <= total:
+            raise ValueError(f"this service holds shards {self.first}..{self.first + self.num_shards - 1} of {total}")
+        cfg, plan, spec = job_description.build(desc, total, self.timeout)
         shards: dict[int, Shard] = {}
-        for s in range(plan.num_shards):
+        for s in range(self.first, self.first + self.num_shards):
             init = values[s] if isinstance(values, list) and len(values) == plan.num_shards else None
             if init is None:
                 init = torch.zeros(plan.shard_numel(s))
@@ -413,6 +501,11 @@ class PSService:
         """Write the job and every shard's state to ``state_dir`` (atomically, one file); its path."""
         job = self.job
         if self.state_dir is None or job is None:
+            return None
+        if self.total_shards() != self.num_shards:
+            if not self._warned_snapshot:
+                self._warned_snapshot = True
+                self.log("ivyplug serve: a job on several services is not snapshotted (not supported yet)")
             return None
         blob = typed_state.encode(
             {

@@ -9,7 +9,7 @@ first worker of a job creates the shards from them, a later one is checked again
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +40,8 @@ class ServiceLink:
     slot: int = -1
     num_workers: int = 0
     created: bool = False
+    #: the services that hold the job's shards: address, first shard, shard count (this one first)
+    services: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _store(cfg: PSConfig) -> tuple[Any, str]:
@@ -74,7 +76,10 @@ def connect(cfg: PSConfig) -> ServiceLink:
         group = auth.pair_group(store, prefix, 1, cfg.timeout, host)
     except RuntimeError as exc:
         raise PSTimeoutError(f"could not connect to ivyplug serve at {cfg.servers}: {exc}") from exc
-    return ServiceLink(cfg.servers, store, group, Channel(group, 1, cfg.timeout), int(verdict["shards"]), member)
+    services = [dict(x) for x in verdict.get("services", [])]
+    return ServiceLink(
+        cfg.servers, store, group, Channel(group, 1, cfg.timeout), int(verdict["shards"]), member, services=services
+    )
 
 
 def join(
@@ -86,7 +91,7 @@ def join(
     stats: WireStats,
 ) -> None:
     """Send JOIN; fills ``link.slot`` / ``num_workers`` / ``created`` (PSProtocolError if refused)."""
-    blob = typed_state.encode({"job": description, "values": values})
+    blob = typed_state.encode({"job": description, "values": values, "num_shards": len(values)})
     ep = WireEndpoint(link.channel, 0, -1, 0, stats)
     words = bytes_to_words(blob)
     pending = ep.request(Kind.JOIN, words, arg0=len(blob), arg1=slot, arg2=job_size, what="this worker's JOIN")

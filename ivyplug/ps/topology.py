@@ -54,6 +54,7 @@ class Topology:
     loop_ranks: list[int] = field(default_factory=list)  # other PS-group ranks that run a loop (STOP, BYE)
     owns_p2p_group: bool = True
     link: ServiceLink | None = None  # the connection to an ivyplug serve (external)
+    others: list[ServiceLink] = field(default_factory=list)  # further services holding shards of the job
 
 
 def colocated(
@@ -156,22 +157,31 @@ def external(
     full = layout.flat_local()
     values = [layout.shard_values(full, s) for s in range(plan.num_shards)]
     want = rank if world_size > 1 else -1
+    # the other services that hold shards of the job (ivyplug serve --join): a pair with each
+    others = [service_link.connect(dataclasses.replace(cfg, servers=svc["address"])) for svc in link.services[1:]]
     if rank == 0:
         service_link.join(link, desc, values, want, world_size, stats)
     workers.barrier(f"rank 0 to join ivyplug serve at {link.address}")
     if rank != 0:
         service_link.join(link, desc, values, want, world_size, stats)
+    for other in others:  # the same slot on every service
+        service_link.join(other, desc, values, link.slot, link.num_workers, stats)
     if link.num_workers < world_size:
         raise ValueError(
             f"ivyplug serve at {link.address} has {link.num_workers} worker slots, this job has {world_size} workers "
             "(start it with --workers >= the job's size)"
         )
+    holder: dict[int, ServiceLink] = {}
+    for svc, held_by in zip(link.services or [{"first": 0, "count": plan.num_shards}], [link, *others], strict=True):
+        for s in range(int(svc["first"]), int(svc["first"]) + int(svc["count"])):
+            holder[s] = held_by
     endpoints: dict[int, ShardEndpoint] = {
-        s: WireEndpoint(link.channel, 0, s, plan.shard_numel(s), stats) for s in plan.nonempty_shards()
+        s: WireEndpoint(holder[s].channel, 0, s, plan.shard_numel(s), stats) for s in plan.nonempty_shards()
     }
     topo = Topology(
         endpoints, channel=link.channel, p2p_group=link.group, store=link.store, link=link, owns_p2p_group=False
     )
+    topo.others = others
     topo.loop_ranks = [0]
     topo.queue_endpoint = WireEndpoint(link.channel, 0, -1, 0, stats)
     workers.barrier(f"every worker to join ivyplug serve at {link.address}")

@@ -64,6 +64,7 @@ def main() -> int:
     client.pull_initial()
     out["slot"] = client.topo.link.slot if client.topo.link else -1
     out["created"] = bool(client.topo.link and client.topo.link.created)
+    out["num_shards"] = client.plan.num_shards
     with torch.no_grad():
         out["start_loss"] = float(torch.nn.functional.mse_loss(model(x), y))
     g = torch.Generator().manual_seed(args.seed + 1)

@@ -167,3 +167,22 @@ def test_torchrun_restarted_workers_rejoin_the_live_servers_and_continue_from_th
         assert all(r["start_loss"] < 0.5 * 0.7 for r in runs), runs  # a fresh model starts near 0.7
         assert all(r["metrics"]["pushes"] == 40 for r in runs), runs
         assert s.log().count("joined") == 4 and "is gone" in s.log(), s.log()
+
+
+def test_two_services_hold_the_shards_of_one_job_behind_one_address(tmp_path: Path) -> None:
+    from ivyplug.ps.service import PSService
+
+    with serve("--shards", "1", "--workers", "2", "--token", "t") as first:
+        with pytest.raises(ValueError, match="refused this service: wrong token"):
+            PSService(1, port=0, token="not-it", join=first.address, status_every=None, timeout=20)
+        with serve("--shards", "2", "--join", first.address, "--token", "t") as second, workers(tmp_path) as w:
+            assert "shards 1..2 of the job served from" in second.wait_for("listening on")
+            first.wait_for("holds shards 1..2")
+            a = w.start(first.address, "a", "--steps", "30", "--token", "t")
+            b = w.start(first.address, "b", "--steps", "30", "--seed", "1", "--token", "t")
+            for rc, text in w.wait():
+                assert rc == 0, text + first.log() + second.log()
+            for r in (result(a), result(b)):
+                assert r["num_shards"] == 3 and r["metrics"]["pushes"] == 30
+                assert r["end_loss"] < 0.5 * 0.7
+            assert second.log().count("joined") == 2 and first.log().count("joined") == 2

@@ -17,7 +17,8 @@ from tests.ps.service_harness import serve
 from .test_example import run_script
 
 JOB = Path(__file__).with_name("stages_job.py")
-CONFIGS = [f"{name}/{servers}" for servers in (0, 2) for name in ("ivy_ps", "ivy_ps_sync", "ivy_ps_ssp")]
+# every mode co-located; the dedicated servers (the job's own ivyplug serve) in async and sync
+CONFIGS = [f"{name}/0" for name in ("ivy_ps", "ivy_ps_sync", "ivy_ps_ssp")] + ["ivy_ps/2", "ivy_ps_sync/2"]
 
 
 def check_stages(tmp_path: Path, configs: list[str], out: str) -> None:

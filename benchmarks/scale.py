@@ -3,9 +3,9 @@
 One ``ivyplug serve --shards 1`` process serves every worker; the workers (``scale_worker.py``, each a
 process of its own joining by address, async mode, SGD) push and pull a tiny model as fast as they can for
 a fixed time. Reported per worker count: pushes/s of all workers together, p50/p99 push+pull latency, and
-the server's resident memory at the start and end of the run (it should stay flat: nothing accumulates per
-push). Then one worker against models of 1M to 64M parameters: the median push+pull time per step, which
-should grow linearly with the bytes moved.
+the server's resident memory a quarter into the run (warm: every worker's buffers exist) and at its end (it
+should stay flat: nothing accumulates per push). Then one worker against models of 1M to 64M parameters:
+the median push+pull time per step, which should grow linearly with the bytes moved.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,14 @@ def _rss_mb(pid: int) -> float:
     import psutil
 
     return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def _sample_rss(pid: int, out: list[tuple[float, float]], stop: threading.Event) -> None:
+    while True:
+        out.append((time.monotonic(), _rss_mb(pid)))
+        if stop.wait(1.0):
+            out.append((time.monotonic(), _rss_mb(pid)))
+            return
 
 
 def _workers(address: str, n: int, seconds: float, numel: int, out: Path) -> list[dict[str, Any]]:
@@ -134,12 +143,12 @@ def format_table(results: dict[str, Any]) -> str:
     quick = ", QUICK: not a measurement" if results["quick"] else ""
     lines = [
         f"ivyplug bench scale ({results['seconds']:g} s per worker count, one server process{quick})",
-        f"{'workers':>8} {'pushes/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'server MB start':>16} {'end':>8}",
+        f"{'workers':>8} {'pushes/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'server MB warm':>15} {'end':>8}",
     ]
     for r in results["workers"]:
         lines.append(
             f"{r['workers']:>8} {r['pushes_per_s']:>10.1f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
-            f"{r['server_rss_start_mb']:>16.0f} {r['server_rss_end_mb']:>8.0f}"
+            f"{r['server_rss_start_mb']:>15.0f} {r['server_rss_end_mb']:>8.0f}"
         )
     lines.append(f"{'params':>8} {'push+pull ms':>14} {'ms per M':>10}")
     for c in results["step_cost"]:

@@ -103,15 +103,18 @@ def run(quick: bool = False) -> dict[str, Any]:
         for n in counts:
             proc, address = _serve(n)
             try:
-                start_rss = _rss_mb(proc.pid)
+                samples: list[tuple[float, float]] = []
+                stop = threading.Event()
+                sampler = threading.Thread(target=_sample_rss, args=(proc.pid, samples, stop), daemon=True)
+                sampler.start()
+                t0 = time.monotonic()
                 runs = _workers(address, n, seconds, 4096, Path(tmp))
+                stop.set()
+                sampler.join(5)
+                # memory once the run is warm (a quarter in: every worker's pair and buffers exist) and at its end
+                warm = next((mb for t, mb in samples if t - t0 >= 0.25 * seconds), samples[-1][1])
                 rows.append(
-                    {
-                        "workers": n,
-                        **_pool(runs),
-                        "server_rss_start_mb": start_rss,
-                        "server_rss_end_mb": _rss_mb(proc.pid),
-                    }
+                    {"workers": n, **_pool(runs), "server_rss_start_mb": warm, "server_rss_end_mb": samples[-1][1]}
                 )
             finally:
                 proc.kill()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,34 +22,12 @@ import keras
 from ivyplug.integrations.keras import autoregister as _autoregister
 from keras import ops
 
+from ivyplug.name_patterns import check_patterns, matches_any
+
 __all__ = ["LAMB"]
 
 _CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_ and ivyplug.optim.LAMB
 _INT_COUNTER_DTYPE = "int"  # int64 on TensorFlow, int32 on JAX (the base class's own iteration dtype)
-
-
-def _check_patterns(name: str, patterns: Sequence[str] | None) -> tuple[str, ...]:
-    """Validate a list of regular expressions matched against variable paths (as the torch twin does)."""
-    if patterns is None:
-        return ()
-    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
-        raise ValueError(f"{name} must be a list of regular expressions (e.g. ['bias', 'norm']), got {patterns!r}")
-    for pattern in patterns:
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"{name} must hold non-empty strings, got {pattern!r}")
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"{name} holds an invalid regular expression {pattern!r}: {exc}") from None
-    return tuple(patterns)
-
-
-def matches_any(patterns: Sequence[str], name: str) -> bool:
-    """Whether any pattern is found in ``name`` (:func:`re.search`): the rule of ``ivyplug.optim.lamb_param_groups``.
-
-    Kept apart from the torch module (which imports torch); a test holds the two to the same answers.
-    """
-    return any(re.search(pattern, name) for pattern in patterns)
 
 
 def _check_number(
@@ -173,8 +150,8 @@ class LAMB(keras.optimizers.Optimizer):
             )
         if max_grad_norm is not None:
             max_grad_norm = _check_number("max_grad_norm", max_grad_norm, "None or a finite float > 0", lambda x: x > 0)
-        layer_patterns = _check_patterns("exclude_from_layer_adaptation", exclude_from_layer_adaptation)
-        decay_patterns = _check_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
+        layer_patterns = check_patterns("exclude_from_layer_adaptation", exclude_from_layer_adaptation)
+        decay_patterns = check_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
 
         # weight_decay=None: the base class would otherwise add decoupled decay on top of LAMB's.
         super().__init__(learning_rate=learning_rate, weight_decay=None, name=name, **kwargs)

@@ -11,37 +11,17 @@ a pattern anchored with ``^`` therefore does not carry over between the two.
 from __future__ import annotations
 
 import fnmatch
-import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch import nn
 
+from ivyplug.name_patterns import check_patterns, matches_any
+
 __all__ = ["lamb_param_groups", "matches_any"]
 
 _warned_globs = False
-
-
-def check_patterns(name: str, patterns: Sequence[str] | None) -> tuple[str, ...]:
-    """Validate a list of regular expressions (a lone string is refused: it would be read as characters)."""
-    if patterns is None:
-        return ()
-    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
-        raise ValueError(f"{name} must be a list of regular expressions (e.g. ['bias', 'norm']), got {patterns!r}")
-    for pattern in patterns:
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"{name} must hold non-empty strings, got {pattern!r}")
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"{name} holds an invalid regular expression {pattern!r}: {exc}") from None
-    return tuple(patterns)
-
-
-def matches_any(patterns: Sequence[str], name: str) -> bool:
-    """Whether any pattern is found in ``name`` (:func:`re.search`; the Keras LAMB uses the same rule)."""
-    return any(re.search(pattern, name) for pattern in patterns)
 
 
 def _legacy_globs(exclude: Iterable[str]) -> list[str]:

@@ -69,12 +69,13 @@ def _put(store: Any, key: str, value: dict[str, Any]) -> None:
 
 
 def _nonce(value: Any, what: str) -> bytes:
+    bad = PSProtocolError(f"{what}: a nonce must be 32 hex digits, got {str(value)[:40]!r}")
     if not isinstance(value, str) or len(value) != 32:
-        raise PSProtocolError(f"{what}: a nonce must be 32 hex digits")
+        raise bad
     try:
         return bytes.fromhex(value)
-    except ValueError as exc:
-        raise PSProtocolError(f"{what}: a nonce must be 32 hex digits") from exc
+    except ValueError:
+        raise bad from None
 
 
 def session_prefix(token: str | None, server_nonce: bytes, worker_nonce: bytes, member: int) -> str:

@@ -17,7 +17,6 @@ import threading
 import time
 from typing import Any
 
-STORE_PREFIX = "ivyplug-ps"
 HOST_ENV = "IVYPLUG_PS_HOST"
 
 

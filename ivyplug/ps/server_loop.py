@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -67,13 +67,12 @@ class ServerLoop(threading.Thread):
         expect_bye: set[int],
         stop: threading.Event,
         workers: set[int] | None = None,
-        on_workers_done: Callable[[], None] | None = None,
         member: int | None = None,
         traffic: Traffic | None = None,
         rendezvous: Rendezvous | None = None,
     ) -> None:
-        """``expect_bye``: ranks whose BYE ends the loop; ``on_workers_done`` runs once every rank in
-        ``workers`` said BYE (a dedicated server then says BYE to the other servers). ``member``: the loop
+        """``expect_bye``: ranks whose BYE ends the loop; ``workers``: the ranks whose BYE also idles them on the
+        shards (co-located: every other worker). ``member``: the loop
         serves one worker over a two-rank group (``ivyplug serve``): every request is that worker slot's,
         received from rank 1, and a request that breaks the protocol ends this member only, never a shard."""
         super().__init__(name=f"ivyplug-ps-server-{channel.rank}", daemon=True)
@@ -84,7 +83,6 @@ class ServerLoop(threading.Thread):
         self.queue = queue
         self.expect_bye = set(expect_bye)
         self.workers = set(workers or ())
-        self.on_workers_done = on_workers_done
         self.stop = stop
         self.member = member
         self.traffic = traffic
@@ -92,7 +90,6 @@ class ServerLoop(threading.Thread):
         self.bye_from: set[int] = set()
         self.error: BaseException | None = None
         self._state_blob = b""
-        self._workers_done = False
 
     @property
     def shard(self) -> Shard | None:
@@ -318,10 +315,6 @@ class ServerLoop(threading.Thread):
             if self.member is None and w in self.workers:
                 for s in self.shards.values():
                     s.idle(w)
-            if not self._workers_done and self.workers and self.workers <= self.bye_from:
-                self._workers_done = True  # exactly once: a second BYE to a finished peer is never received
-                if self.on_workers_done is not None:
-                    self.on_workers_done()
         elif h.kind == Kind.STATE_SIZE:
             self._state_blob = shard.state()
             self._reply(to, h, None, arg0=len(self._state_blob))

@@ -209,7 +209,6 @@ class PSService:
         self.slots: dict[int, int] = {}  # worker slot -> member number
         self.refused = 0
         self._warned_snapshot = False
-        self._groups: dict[int, Any] = {}
         self._threads: list[threading.Thread] = []
         # the store listens on a socket bound here (given a port, TCPStore alone listens on every interface)
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -360,8 +359,6 @@ class PSService:
                 self.log(f"ivyplug serve: refused member {member}: {reason}")
                 return
             group = auth.pair_group(self.store, prefix, 0, self.timeout, self.host)
-            with self._lock:
-                self._groups[member] = group
             channel = Channel(group, 0, self.timeout)
             slot, job = self._join(member, channel)
             if slot is None or job is None:
@@ -388,13 +385,10 @@ class PSService:
             self.log(f"ivyplug serve: member {member} ended: {type(exc).__name__}: {exc}")
             if slot is not None:
                 self._leave(slot, f"{type(exc).__name__}: {exc}")
-        finally:
-            with self._lock:
-                self._groups.pop(member, None)
 
     def _join(self, member: int, channel: Channel) -> tuple[int | None, Job | None]:
         """Receive the member's JOIN; create the job, or check it matches; give it a slot."""
-        h = channel.recv_request_header(1)
+        h = channel.recv_request_header(1, timeout=self.timeout)  # a member that pairs must JOIN at once
         if h.kind != Kind.JOIN or h.n_hyper != 0 or not 0 < h.arg0 <= MAX_BLOB_BYTES or h.numel != (h.arg0 + 3) // 4:
             raise PSProtocolError(f"member {member}'s first message must be a well-formed JOIN, got kind {h.kind}")
         data, _ = channel.recv_request_payload(h)

@@ -162,11 +162,18 @@ class Channel:
             wait_work(w, self.timeout, f"a peer to accept a message ({what})")
 
     # -- receiving -----------------------------------------------------------------------------
-    def recv_request_header(self, src: int | None = None) -> Header:
-        """Block until a peer (``src``, else any) sends a request header (server loops only; see above)."""
+    def recv_request_header(self, src: int | None = None, timeout: float | None = None) -> Header:
+        """Block until a peer (``src``, else any) sends a request header (server loops only; see above).
+
+        ``timeout`` (seconds; from one source only) bounds the wait, else a server may sit idle for
+        :data:`IDLE_WAIT`."""
         t = empty_header()
-        work = self.group.recv_anysource([t], TAG_REQUEST) if src is None else self.group.recv([t], src, TAG_REQUEST)
-        work.wait(timeout=IDLE_WAIT)
+        if src is None:
+            work = self.group.recv_anysource([t], TAG_REQUEST)
+            work.wait(timeout=IDLE_WAIT)
+        else:
+            work = self.group.recv([t], src, TAG_REQUEST)
+            wait_work(work, timeout if timeout is not None else IDLE_WAIT.total_seconds(), f"a request from rank {src}")
         return Header.decode(t)
 
     def recv_request_payload(self, header: Header) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -49,7 +49,14 @@ def _str(value: Any) -> str:
 #: strings; they are read as TOML scalars first (``300``, ``300.0``, ``"auto"``) so both sources parse alike.
 SECTIONS: dict[str, dict[str, Callable[[Any], Any]]] = {
     # IvyPSStrategy's arguments whose None means "the project default, else the built-in one"
-    "ps": {"timeout": _float, "num_servers": _int, "staleness_scaling": _str, "nonfinite": _str, "servers": _str},
+    "ps": {
+        "timeout": _float,
+        "num_servers": _int,
+        "staleness_scaling": _str,
+        "nonfinite": _str,
+        "servers": _str,
+        "wire_dtype": _str,
+    },
 }
 
 #: the shared secret of an ``ivyplug serve`` comes from code or this variable only (never a project file)

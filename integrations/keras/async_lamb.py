@@ -119,6 +119,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             started on its own is then one worker of the servers' job, without torchrun or a process group;
             the servers' ``--workers`` slots set the default merge rate (1/slots in async/ssp).
         token: the secret the servers were started with (default ``$IVYPLUG_TOKEN``).
+        wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: deltas (with error feedback) and pulled values
+            cross the wire in bf16, half the bytes (also ``IVYPLUG_PS_WIRE_DTYPE``, ``[tool.ivyplug.ps]``).
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         timeout: float = DEFAULT_TIMEOUT_S,
         servers: str | None = None,
         token: str | None = None,
+        wire_dtype: str | None = None,
     ) -> None:
         from ivyplug.settings import project_defaults
         from ivyplug.settings import token as settings_token
@@ -141,6 +144,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             timeout=timeout,
             servers=servers if servers is not None else project_defaults("ps").get("servers"),
             token=settings_token(token),
+            wire_dtype=wire_dtype if wire_dtype is not None else project_defaults("ps").get("wire_dtype", "float32"),
         )
         self.client: Any = None
         self._delta: Any = None

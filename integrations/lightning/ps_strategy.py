@@ -121,6 +121,9 @@ class IvyPSStrategy(DDPStrategy):
             or dedicated servers; also ``IVYPLUG_PS_SERVERS`` or ``servers`` in ``[tool.ivyplug.ps]``). The
             servers outlive the job: a later job of the same model continues from their state.
         token: the secret that ``ivyplug serve`` was started with (default ``$IVYPLUG_TOKEN``; never logged).
+        wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: pushes (gradients, AsyncLAMB's deltas with error
+            feedback) and pulled parameters cross the wire in bf16, half the bytes; the servers keep fp32
+            (also ``IVYPLUG_PS_WIRE_DTYPE`` or ``wire_dtype`` in ``[tool.ivyplug.ps]``).
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
         max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)
@@ -148,6 +151,7 @@ class IvyPSStrategy(DDPStrategy):
         nonfinite: str | None = None,
         servers: str | None = None,
         token: str | None = None,
+        wire_dtype: str | None = None,
         *,
         process_group_timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -162,7 +166,7 @@ class IvyPSStrategy(DDPStrategy):
         if unknown:
             raise ValueError(
                 f"IvyPSStrategy got unknown keyword argument(s) {sorted(unknown)}; allowed: mode, staleness, "
-                "num_servers, staleness_scaling, timeout, max_shard_bytes, nonfinite, servers, token, "
+                "num_servers, staleness_scaling, timeout, max_shard_bytes, nonfinite, servers, token, wire_dtype, "
                 "process_group_timeout, "
                 "start_method, "
                 "accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, "
@@ -180,6 +184,7 @@ class IvyPSStrategy(DDPStrategy):
             nonfinite=_first(nonfinite, project.get("nonfinite"), "skip"),
             servers=servers if servers is not None else project.get("servers"),
             token=settings_token(token),
+            wire_dtype=_first(wire_dtype, project.get("wire_dtype"), "float32"),
         )
         if start_method not in START_METHODS:
             raise ValueError(f"IvyPSStrategy.start_method must be one of {START_METHODS}, got {start_method!r}")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ivyplug.ps import checkpoint, service_link, topology
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.endpoints import PendingReply, PSServerError, WireStats
+from ivyplug.ps.endpoints import PendingReply, PSServerError, WireEndpoint, WireStats
 from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.member_group import MemberGroup
 from ivyplug.ps.messages import Header, Kind
@@ -30,6 +30,7 @@ from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in
 from ivyplug.ps.shard import Shard, load_state_bytes
 from ivyplug.ps.sharding import ShardPlan, TensorSpec, auto_max_shard_bytes, build_plan
 from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
+from ivyplug.ps.wire_codec import Bf16Codec, overflows_bf16
 from ivyplug.ps.worker_group import WorkerGroup
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
@@ -152,6 +153,10 @@ class PSClient:
             self.topo = topology.dedicated(*args)
         else:
             self.topo = topology.colocated(*args)
+        if cfg.wire_dtype == "bfloat16":  # shards across the wire: pushes and pulls in bf16 (wire_codec.py)
+            for s, ep in self.topo.endpoints.items():
+                if isinstance(ep, WireEndpoint):
+                    ep.bf16 = Bf16Codec(self.plan.shard_numel(s), self.plan.float_ranges(s))
         if self.topo.link is not None and world_size > 1:
             # from here on the workers meet through the service: a worker that dies leaves, never hangs them
             self._launch_group = self.workers
@@ -286,9 +291,15 @@ class PSClient:
         """
         ranges = self.layout.float_ranges
         if all(nonfinite_in(data, ranges[s]) is None for s, data in packed.items()):
-            return 0
+            if self.cfg.wire_dtype != "bfloat16":
+                return 0
+            # finite in fp32, but bf16 would round a value to Inf on the wire: non-finite there
+            if all(overflows_bf16(data, ranges[s]) is None for s, data in packed.items()):
+                return 0
+            name = "a value beyond bfloat16's range (|x| >= 3.3962e38, Inf once sent with wire_dtype='bfloat16')"
+        else:
+            name = self.layout.first_nonfinite()
         step = self.m.pushes + 1
-        name = self.layout.first_nonfinite()
         if self.cfg.nonfinite == "raise":
             raise PSNonFiniteError(
                 f"rank {self.rank}, step {step}: non-finite values in {name} (the first non-finite tensor of its "

@@ -9,6 +9,7 @@ from typing import Any
 MODES: tuple[str, ...] = ("sync", "async", "ssp")
 STALENESS_SCALINGS: tuple[str, ...] = ("inverse", "none")
 NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
+WIRE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -28,7 +29,11 @@ class PSConfig:
     processes; ``servers="host:port"`` joins the shards an ``ivyplug serve`` runs there (``token``: the
     shared secret it was started with; never logged or saved). ``max_shard_bytes`` splits larger tensors
     row-wise; ``"auto"`` (default) splits only where the optimizer's update is element-wise, so that shards
-    balance (sharding.py), ``None`` keeps whole tensors.
+    balance (sharding.py), ``None`` keeps whole tensors. ``wire_dtype="bfloat16"`` sends the floats of
+    pushes (gradients, deltas, float buffers) and of pulled parameters in bf16 over the wire, half the bytes
+    of ``"float32"`` (default); the servers keep fp32 masters and integer buffers travel exactly. A local-update
+    delta carries its rounding error into the next delta (error feedback, delta_exchange.py). A finite fp32
+    value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
     """
 
     mode: str = "async"
@@ -40,6 +45,7 @@ class PSConfig:
     nonfinite: str = "skip"
     servers: str | None = None
     token: str | None = field(default=None, repr=False)
+    wire_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,6 +88,8 @@ class PSConfig:
                 f"PSConfig.max_shard_bytes must be 'auto', None or an int > 0, got {self.max_shard_bytes!r}"
             )
 
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"PSConfig.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         if self.servers is not None:
             parse_address(self.servers, "PSConfig.servers")
             if self.num_servers:

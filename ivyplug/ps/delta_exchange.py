@@ -21,6 +21,12 @@ Outer optimizers (:class:`OuterRule`, docs/design.md "Outer optimizers"): the me
 with ``outer_momentum_every`` > 1 the delayed Nesterov update, :class:`ivyplug.optim.DelayedNesterov`), and
 ``"lamb"`` mirrors LAMB over it, whose clipped layer-wise trust ratio bounds how far one merge moves a layer.
 The servers build whichever optimizer :meth:`OuterRule.build` returns, as they build any optimizer.
+
+With ``PSConfig.wire_dtype="bfloat16"`` a delta travels in bf16 with error feedback: the worker rounds
+``e + Δ`` to bf16 itself (``e``: what rounding left out of the previous deltas), pushes that, and keeps
+``e ← e + Δ − bf16(e + Δ)``. The deltas applied then sum to the true deltas' sum less the last ``e``, which is
+at most half a bf16 unit of the last pushed delta per element: nothing is lost over time. ``e`` restarts at
+zero after a dropped (non-finite) delta; it is not part of a checkpoint (it is below one bf16 rounding).
 """
 
 from __future__ import annotations
@@ -176,9 +182,17 @@ class DeltaExchange:
     """Measures a worker's progress since its last pull and exchanges it through a :class:`PSClient`."""
 
     def __init__(
-        self, params: Sequence[Tensor], merge_rate: float | None = None, rule: OuterRule | None = None
+        self,
+        params: Sequence[Tensor],
+        merge_rate: float | None = None,
+        rule: OuterRule | None = None,
+        *,
+        error_feedback: bool = True,
     ) -> None:
         self.params = list(params)
+        #: bf16 wire only: carry each delta's rounding error into the next one (False: plain rounding)
+        self.error_feedback = error_feedback
+        self.residual: list[Tensor] | None = None
         merge_rate = check_merge_rate(merge_rate)
         if rule is None:
             rule = OuterRule(merge_rate=merge_rate)
@@ -225,15 +239,35 @@ class DeltaExchange:
             raise RuntimeError("exchange() needs a PS: start a PSClient with outer_optimizer() and attach() it")
         saved = [p.grad for p in self.params]
         pseudo = [s - p.detach() for s, p in zip(self.snapshot, self.params, strict=True)]
+        if client.cfg.wire_dtype == "bfloat16":
+            pseudo = self._round_bf16(pseudo)
         skipped = client.metrics()["nonfinite_skipped"]
+        dropped = True
         try:
             for p, g in zip(self.params, pseudo, strict=True):
                 p.grad = g
             client.step(max(1, int(local_steps)), delta=True)  # the PS checks the whole push (nonfinite policy)
-            if client.metrics()["nonfinite_skipped"] > skipped:
+            dropped = client.metrics()["nonfinite_skipped"] > skipped
+            if dropped:
                 self.discarded += 1
         finally:
+            if dropped:  # nothing of it was applied; a non-finite residual would spoil every later delta
+                self.residual = None
             for p, old in zip(self.params, saved, strict=True):
                 p.grad = old
         self.exchanges += 1
         self.reset_snapshot()
+
+    def _round_bf16(self, pseudo: list[Tensor]) -> list[Tensor]:
+        """``pseudo`` plus the carried error, rounded to bf16 (exact on the wire); the new error is kept."""
+        if not self.error_feedback:
+            return [g.to(torch.bfloat16).float() for g in pseudo]
+        if self.residual is None:
+            self.residual = [torch.zeros_like(g) for g in pseudo]
+        out = []
+        for g, e in zip(pseudo, self.residual, strict=True):
+            e.add_(g)  # e + (-Δ): the pseudo-gradient with what earlier roundings left out
+            q = e.to(torch.bfloat16).float()
+            e.sub_(q)
+            out.append(q)
+        return out

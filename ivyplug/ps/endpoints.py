@@ -22,6 +22,7 @@ from ivyplug.ps import typed_state
 from ivyplug.ps.messages import Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError
+from ivyplug.ps.wire_codec import Bf16Codec
 
 
 class PSServerError(PSProtocolError):
@@ -121,6 +122,9 @@ class _WireReply:
     def result(self, timeout: float) -> Reply:
         h = self.header(timeout)
         assert self._out is not None
+        codec = self._endpoint.bf16
+        if codec is not None and h.flags & Flag.BF16:  # a bf16 reply: decode into the reused fp32 buffer
+            return Reply(codec.decode(self._out, self._endpoint.decoded()), h.arg1, h.arg0, h.arg2)
         return Reply(self._out, h.arg1, h.arg0, h.arg2)
 
 
@@ -134,7 +138,16 @@ class WireEndpoint:
         self.numel = numel
         self._stats = stats if stats is not None else WireStats()
         self._reply_buf: torch.Tensor | None = None  # reused: a reply is unpacked before the next request
+        self._decoded: torch.Tensor | None = None
         self._seq = 0
+        #: set (PSConfig.wire_dtype="bfloat16"): pushes and pulls travel as bf16 (wire_codec.py)
+        self.bf16: Bf16Codec | None = None
+
+    def decoded(self) -> torch.Tensor:
+        """The reused fp32 buffer a bf16 reply is decoded into."""
+        if self._decoded is None:
+            self._decoded = torch.empty(self.numel, dtype=torch.float32)
+        return self._decoded
 
     # -- plumbing shared by every request ---------------------------------------------------------
     def request(
@@ -149,8 +162,13 @@ class WireEndpoint:
         self._seq += 1
         if kind in (Kind.PUSH_PULL, Kind.PULL):
             if self._reply_buf is None:
-                self._reply_buf = torch.empty(self.numel, dtype=torch.float32)
+                words = self.bf16.words if self.bf16 is not None else self.numel
+                self._reply_buf = torch.empty(words, dtype=torch.float32)
             out: torch.Tensor | None = self._reply_buf
+            if self.bf16 is not None:
+                args["flags"] = Flag.BF16
+                if data is not None:
+                    data = self.bf16.encode(data)
         else:
             out = torch.empty(reply_numel, dtype=torch.float32) if reply_numel else None
         hbuf, works = self.channel.post_reply(self.dst, out, self.shard + 1)

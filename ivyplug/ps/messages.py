@@ -58,6 +58,7 @@ class Status:
 
 class Flag:
     STOP = 1
+    BF16 = 2  # PUSH_PULL/PULL request: its payload and its reply's are bf16 pairs in fp32 words (wire_codec.py)
 
 
 @dataclass

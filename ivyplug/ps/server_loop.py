@@ -104,9 +104,8 @@ class ServerLoop(threading.Thread):
         return Flag.STOP if self.stop.is_set() else 0
 
     def _reply(self, to: int, request: Header, data: torch.Tensor | None = None, **args: int) -> None:
-        h = Header(
-            kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=self._flags(), **args
-        )
+        flags = self._flags() | (request.flags & Flag.BF16)
+        h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
         sent = self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1)
         if self.traffic is not None:
             self.traffic.count(0, 0, sent)
@@ -135,7 +134,7 @@ class ServerLoop(threading.Thread):
         """fp32 elements of the reply payload a request of this kind expects (see client.py)."""
         target = self.shards.get(request.shard)
         if request.kind in (Kind.PUSH_PULL, Kind.PULL) and target is not None:
-            return target.n_total
+            return target.bf16.words if request.flags & Flag.BF16 else target.n_total
         if request.kind == Kind.STATE_FETCH:
             return (len(self._state_blob) + 3) // 4
         if request.kind == Kind.GATHER_FETCH:  # the worker posted a receive of the size it was told (arg0)
@@ -214,7 +213,7 @@ class ServerLoop(threading.Thread):
             if target is None:
                 return f"worker {self.member} asked for shard {h.shard}; this server has {sorted(self.shards)}"
             if h.kind == Kind.PUSH_PULL:
-                numel, n_hyper = target.n_total, target.n_hyper
+                numel, n_hyper = target.bf16.words if h.flags & Flag.BF16 else target.n_total, target.n_hyper
         else:
             h.shard = -1  # requests of the service itself: their replies come back on stream 0
         if h.kind in (Kind.LOAD, Kind.GATHER):
@@ -253,7 +252,9 @@ class ServerLoop(threading.Thread):
                 self._reply_error(to, request, f"{type(exc).__name__}: {exc}")
                 return
             r = fut.result()
-            self._reply(to, request, r.snapshot, arg0=r.staleness, arg1=r.version, arg2=r.clock)
+            target = self.shards[request.shard]
+            snapshot = target.bf16.encode(r.snapshot) if request.flags & Flag.BF16 else r.snapshot
+            self._reply(to, request, snapshot, arg0=r.staleness, arg1=r.version, arg2=r.clock)
         except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
             print(
                 f"[ivyplug.ps] rank {self.channel.rank} could not answer rank {to}: {send_exc}",
@@ -278,6 +279,8 @@ class ServerLoop(threading.Thread):
         if h.kind in (Kind.PUSH_PULL, Kind.PULL):
             if h.kind == Kind.PUSH_PULL:
                 assert data is not None and hyper is not None
+                if h.flags & Flag.BF16:
+                    data = shard.bf16.decode(data)
                 fut = shard.push_pull(w, data, hyper)
             else:
                 fut = shard.pull(w)

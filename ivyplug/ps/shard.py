@@ -49,6 +49,7 @@ from ivyplug.ps.mirror import OptimizerSpec
 from ivyplug.ps.push import HYPER_PREFIX, PushFlag, decode_mask, mask_words, nonfinite_in
 from ivyplug.ps.sharding import Piece, ShardPlan
 from ivyplug.ps.transport import PSProtocolError
+from ivyplug.ps.wire_codec import Bf16Codec
 
 
 def piece_shape(shape: tuple[int, ...], piece: Piece) -> tuple[int, ...]:
@@ -145,6 +146,7 @@ class Shard:
             (p.offset - self.n_param, p.offset - self.n_param + p.numel) for p in self.buffer_pieces if not p.is_float
         ]
         self._float_ranges = plan.float_ranges(shard)
+        self.bf16 = Bf16Codec(self.n_total, self._float_ranges)  # decodes bf16 pushes to fp32, encodes replies
         self.num_params = plan.num_params
         self._mask_words = mask_words(self.num_params)
         self.nonfinite_skipped = [0] * num_workers

@@ -1,0 +1,259 @@
+"""``wire_dtype="bfloat16"``: the codec against an integer-arithmetic bf16 reference, the option's refusals,
+error feedback on deltas (its bound, and the control without it), the overflow rule, and a real gloo wire
+(a dedicated server process) where the servers apply exactly the bf16-rounded gradient and bytes halve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ivyplug.optim import LocalUpdates
+from ivyplug.ps import PSClient, PSConfig
+from ivyplug.ps.client import PSNonFiniteError
+from ivyplug.ps.wire_codec import BF16_OVERFLOW, Bf16Codec
+from tests.ps.harness import run_workers
+
+MANUAL = 10**6  # sync_every: the tests call exchange() themselves
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def ref_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 -> fp32 by round-to-nearest-even on the bits (NaN stays NaN), independent of torch."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    lsb = (bits >> 16) & 1
+    out = (((bits + 0x7FFF + lsb) >> 16) << 16).astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(x), np.float32("nan"), out)
+
+
+# -- the codec ------------------------------------------------------------------------------------
+def test_codec_rounds_floats_to_nearest_even_and_keeps_integer_bits() -> None:
+    gen = torch.Generator().manual_seed(1)
+    floats = torch.randn(13, generator=gen) * torch.logspace(-30, 30, 13)
+    floats[0], floats[1], floats[2] = float("nan"), float("inf"), -0.0
+    floats[3] = BF16_OVERFLOW  # rounds to Inf
+    floats[4] = float(np.nextafter(np.float32(BF16_OVERFLOW), np.float32(0)))  # the largest fp32 that stays finite
+    ints = torch.tensor([2**40 + 3, -7, 2**62 + 1], dtype=torch.int64)
+    # layout of a shard with an integer buffer between float pieces (odd total: a padded payload)
+    flat = torch.cat([floats[:5], ints.view(torch.float32), floats[5:]])
+    codec = Bf16Codec(flat.numel(), [(0, 5), (11, 19)])
+    words = codec.encode(flat)
+    assert words.dtype == torch.float32 and words.numel() == codec.words == math.ceil((13 + 2 * 6) / 2)
+    back = codec.decode(words)
+    expect = ref_bf16(flat.numpy())
+    torch.testing.assert_close(back[:5], torch.from_numpy(expect[:5]), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(back[11:], torch.from_numpy(expect[11:]), rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(back[5:11].clone().view(torch.int64), ints)
+    assert math.isinf(float(back[3])) and math.isfinite(float(back[4]))
+    assert str(float(back[2])) == "-0.0"
+    with pytest.raises(ValueError, match="encodes 19 values"):
+        codec.encode(flat[:-1])
+
+
+def test_codec_of_an_all_float_shard_is_half_the_words() -> None:
+    codec = Bf16Codec(1000, [(0, 1000)])
+    assert codec.words == 500 and codec.int_ranges == []
+
+
+# -- the option -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["fp16", "bf16", None, 16])
+def test_bad_wire_dtypes_are_refused_by_name(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"wire_dtype must be one of \('float32', 'bfloat16'\)"):
+        PSConfig(wire_dtype=bad)
+
+
+def test_the_strategy_refuses_a_bad_wire_dtype_before_spawning_and_reads_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ivyplug.integrations.lightning import IvyPSStrategy
+
+    with pytest.raises(ValueError, match=r"PSConfig.wire_dtype must be one of \('float32', 'bfloat16'\)"):
+        IvyPSStrategy(wire_dtype="half")
+    assert IvyPSStrategy().ps_config.wire_dtype == "float32"
+    monkeypatch.setenv("IVYPLUG_PS_WIRE_DTYPE", "bfloat16")
+    assert IvyPSStrategy().ps_config.wire_dtype == "bfloat16"
+    assert IvyPSStrategy(wire_dtype="float32").ps_config.wire_dtype == "float32"  # code wins
+    monkeypatch.setenv("IVYPLUG_PS_WIRE_DTYPE", "int8")
+    with pytest.raises(ValueError, match="wire_dtype"):
+        IvyPSStrategy()
+
+
+# -- error feedback on deltas ----------------------------------------------------------------------
+def _averaging(wire: str, error_feedback: bool = True) -> tuple[nn.Module, LocalUpdates, PSClient]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    opt = LocalUpdates(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=MANUAL, merge_rate=1.0)
+    opt.delta.error_feedback = error_feedback
+    client = opt.start_ps(PSConfig(mode="async", wire_dtype=wire), list(model.named_parameters()))
+    return model, opt, client
+
+
+def _merge_rounds(model: nn.Module, opt: LocalUpdates, deltas: list[list[torch.Tensor]]) -> list[np.ndarray]:
+    """Move the local copy by each round's delta and exchange; returns Σ (x_local − x_pulled) in float64."""
+    total = [np.zeros(tuple(p.shape)) for p in model.parameters()]
+    for round_deltas in deltas:
+        with torch.no_grad():
+            for p, d in zip(model.parameters(), round_deltas, strict=True):
+                p.add_(d)
+        for t, s, p in zip(total, opt.delta.snapshot, model.parameters(), strict=True):
+            t += p.detach().double().numpy() - s.double().numpy()
+        opt.exchange()
+    return total
+
+
+def _half_ulp_bf16(x: np.ndarray) -> np.ndarray:
+    """Half a bf16 unit in the last place at |x| (8 significant bits): one rounding's largest error."""
+    mag = np.maximum(np.abs(x), np.finfo(np.float32).tiny)
+    return 0.5 * np.exp2(np.floor(np.log2(mag)) - 7)
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_error_feedback_bounds_the_accumulated_rounding_of_deltas(error_feedback: bool) -> None:
+    """outer="average" at rate 1, 60 merges of the same delta (so that rounding errs the same way each time):
+    with error feedback the applied deltas sum to the true sum less at most one bf16 rounding of the last
+    delta; without it (the control) the error grows with every merge, far past that bound."""
+    rounds = 60
+    model, opt, client = _averaging("bfloat16", error_feedback)
+    try:
+        x0 = [p.detach().double().numpy().copy() for p in model.parameters()]
+        gen = torch.Generator().manual_seed(3)
+        delta = [torch.randn(p.shape, generator=gen) * 0.01 for p in model.parameters()]
+        true = _merge_rounds(model, opt, [delta] * rounds)
+        last = [d.double().numpy() for d in delta]
+        for p, a, t, d in zip(model.parameters(), x0, true, last, strict=True):
+            applied = p.detach().double().numpy() - a  # the servers' copy (pulled) minus the start
+            err = np.abs(applied - t)
+            # fp32 slack: each merge rounds the fp32 master once (x ~ 1: 2**-24 per merge)
+            slack = rounds * 2.0**-24 * (np.abs(a) + np.abs(t) + 1e-3)
+            bound = _half_ulp_bf16(d) + slack
+            if error_feedback:
+                assert (err <= bound).all(), float((err - bound).max())
+            else:
+                assert (err > 10 * bound).mean() > 0.5, float(np.median(err / bound))
+    finally:
+        client.close()
+
+
+def test_error_feedback_restarts_after_a_dropped_nonfinite_delta() -> None:
+    model, opt, client = _averaging("bfloat16")
+    try:
+        gen = torch.Generator().manual_seed(4)
+        good = [[torch.randn(p.shape, generator=gen) * 0.01 for p in model.parameters()] for _ in range(3)]
+        _merge_rounds(model, opt, good)
+        bad = [d.clone() for d in good[0]]
+        bad[0][0, 0] = float("nan")
+        with torch.no_grad():
+            for p, d in zip(model.parameters(), bad, strict=True):
+                p.add_(d)
+        opt.exchange()  # dropped whole (nonfinite="skip"); the worker continues from the global copy
+        assert opt.discarded_exchanges == 1 and opt.delta.residual is None
+        x0 = [p.detach().double().numpy().copy() for p in model.parameters()]
+        true = _merge_rounds(model, opt, good)
+        for p, a, t, d in zip(model.parameters(), x0, true, good[-1], strict=True):
+            applied = p.detach().double().numpy() - a
+            assert np.isfinite(applied).all()
+            assert (np.abs(applied - t) <= 3 * _half_ulp_bf16(d.double().numpy()) + 1e-6).all()
+    finally:
+        client.close()
+
+
+def test_a_finite_gradient_beyond_bf16s_range_counts_as_nonfinite() -> None:
+    for wire, refused in (("bfloat16", True), ("float32", False)):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-40)
+        client = PSClient.start(
+            PSConfig(mode="async", wire_dtype=wire, nonfinite="raise"), list(model.named_parameters()), [], opt
+        )
+        try:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            model.weight.grad[0, 0] = 3.3962e38  # finite in fp32, Inf in bf16
+            if refused:
+                with pytest.raises(PSNonFiniteError, match="beyond bfloat16's range"):
+                    client.step(1)
+            else:
+                client.step(1)
+        finally:
+            client.close()
+
+
+# -- a real wire: two co-located workers, rank 0 pushes to its own shard in-process, to rank 1's over gloo --
+def _wire_job(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(7)
+    init = [torch.randn(100, 60, generator=gen) for _ in range(2)]
+    grads = [[torch.randn(100, 60, generator=gen) for _ in range(2)] for _ in range(3)]
+    for wire in ("float32", "bfloat16"):
+        ws = [nn.Parameter(t.clone()) for t in init]
+        counter = torch.tensor([2**40 + 3], dtype=torch.int64)  # an integer buffer: must travel exactly
+        opt = torch.optim.SGD(ws, lr=1.0)
+        cfg = PSConfig(mode="async", wire_dtype=wire, max_shard_bytes=None, timeout=60.0)
+        client = PSClient.start(cfg, [("a", ws[0]), ("b", ws[1])], [("counter", counter)], opt)
+        try:
+            if rank == 0:
+                client.pull_initial()
+                before = client.metrics()
+                pulled = [[w.detach().clone() for w in ws]]
+                for g in grads:
+                    for w, gw in zip(ws, g, strict=True):
+                        w.grad = gw.clone()
+                    client.step(1)
+                    pulled.append([w.detach().clone() for w in ws])
+                after = client.metrics()
+                remote = [i for i in range(2) if any(p.index == i for p in client.plan.pieces[1])]
+                out[wire] = {
+                    "pulled": pulled,
+                    "counter": int(counter),
+                    "remote": remote,
+                    "sent": after["bytes_sent"] - before["bytes_sent"],
+                    "received": after["bytes_received"] - before["bytes_received"],
+                }
+        finally:
+            client.close()
+    out["init"], out["grads"] = init, grads
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_over_gloo_the_server_applies_the_bf16_gradient_and_bytes_halve() -> None:
+    res, _ = run_workers(_wire_job, 2, timeout=100)
+    for wire in ("float32", "bfloat16"):
+        assert res[wire]["remote"] in ([0], [1]), res[wire]["remote"]  # one tensor on each shard
+        remote = res[wire]["remote"][0]
+        for i in range(2):
+            # reference: the shard's fp32 master steps by the gradient it received; a pull returns the master,
+            # both in bf16 where they crossed the wire (the remote shard with wire_dtype="bfloat16")
+            wired = wire == "bfloat16" and i == remote
+            cast = ref_bf16 if wired else (lambda x: np.asarray(x, dtype=np.float32))
+            master = res["init"][i].numpy().astype(np.float32)
+            expect = [cast(master)]
+            for g in res["grads"]:
+                master = (master - cast(g[i].numpy())).astype(np.float32)
+                expect.append(cast(master))
+            for step, want in enumerate(expect):
+                got = res[wire]["pulled"][step][i]
+                torch.testing.assert_close(got, torch.from_numpy(want), rtol=0, atol=0, msg=f"{wire} {i} {step}")
+        assert res[wire]["counter"] == 2**40 + 3
+    # the control: the tensor behind the wire ends elsewhere than in fp32
+    r = res["bfloat16"]["remote"][0]
+    assert not torch.equal(res["bfloat16"]["pulled"][-1][r], res["float32"]["pulled"][-1][r])
+    for key in ("sent", "received"):
+        ratio = res["bfloat16"][key] / res["float32"][key]
+        assert 0.49 <= ratio <= 0.52, (key, res["bfloat16"][key], res["float32"][key])

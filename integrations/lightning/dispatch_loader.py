@@ -9,24 +9,32 @@ end-of-epoch validation), then asks the PS for the next index of the shared queu
 ``world_size..n-1``) until it is empty. Every sample is seen exactly once per epoch, and a worker twice as
 fast trains about twice as many batches.
 
+Workers that are lost (async/ssp with servers outside the workers). Every request tells the queue how many
+of its batches this worker has trained and pushed (:class:`DispatchEpochEnd` counts them at each optimizer
+step), and after its last batch the worker says that its epoch is over. A lost worker's unfinished batches,
+its reserved one included, are handed to the next worker that asks; a worker that finds the queue empty
+while another still trains waits for it (the wait it would otherwise have at the epoch-end
+synchronisation), so every sample is still trained at least once per epoch. The exception: a worker lost
+in its very last batches after every other worker was told the epoch is over; the servers report those
+batches (``ivyplug serve`` logs them).
+
 Lightning may build this loader before the strategy has started its PS client: a ``configure_optimizers``
 that reads ``trainer.estimated_stepping_batches`` loads the training data inside ``strategy.setup``. So the
 loader reaches the client through :class:`ClientDispatcher`, which looks it up when an epoch starts, and
 its iterator starts only at the first batch (a ``DataLoader`` with worker processes draws indices as soon
 as it is iterated).
 
-Length. How many batches a worker takes is decided while the epoch runs, so the sampler's length is an
-upper bound: n - W + 1 for n batches and W workers (the worker's reserved batch plus every queued one;
-the other W - 1 keep theirs). Lightning uses it as the epoch's batch limit, which therefore never cuts a
-worker short, and ``estimated_stepping_batches`` is ``ceil((n - W + 1) / accumulate_grad_batches) *
-max_epochs``. Each worker steps its own LR scheduler once per optimizer step of its own, so a step-count
-schedule sized from that estimate (``OneCycleLR(total_steps=...)``) never runs past its end, but a worker
-gets through only its share of it: with W equally fast workers each reaches about 1/W of the schedule by the
-end of the fit, a fast worker further than a slow one (and every push carries the pushing worker's
-learning rate). Schedules stepped per epoch (``interval="epoch"``) advance identically on every worker.
-``limit_train_batches`` caps each worker's batches (a fraction is of the upper bound; a worker stopped by
-the cap leaves the one index it asked for ahead untrained), and the progress bar's total is the bound (or
-that cap) while it counts this worker's batches.
+Length. How many batches a worker takes is decided while the epoch runs, so the sampler's length is an upper
+bound: n for n batches (a worker takes every batch if every other worker is lost). Lightning uses it as the
+epoch's batch limit, which therefore never cuts a worker short, and ``estimated_stepping_batches`` is
+``ceil(n / accumulate_grad_batches) * max_epochs``. Each worker steps its own LR scheduler once per
+optimizer step of its own, so a step-count schedule sized from that estimate
+(``OneCycleLR(total_steps=...)``) never runs past its end, but a worker gets through only its share of it:
+with W equally fast workers each reaches about 1/W of the schedule by the end of the fit, a fast worker
+further than a slow one (and every push carries the pushing worker's learning rate). Schedules stepped per
+epoch (``interval="epoch"``) advance identically on every worker. ``limit_train_batches`` caps each worker's
+batches (a fraction is of the upper bound), and the progress bar's total is the bound (or that cap) while it
+counts this worker's batches.
 
 A worker's epoch usually ends before that length, where Lightning, given a length, would neither validate
 nor step epoch-interval schedulers (it validates at batch number ``len`` and otherwise ends the epoch at
@@ -53,7 +61,9 @@ class BatchDispatcher(Protocol):
 
     def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None: ...
 
-    def next_batch(self) -> int | None: ...
+    def next_batch(self, finished: int = 0) -> int | None: ...
+
+    def end_epoch(self) -> None: ...
 
 
 class ClientDispatcher:
@@ -73,10 +83,16 @@ class ClientDispatcher:
         self._bound = client
         client.start_epoch(epoch, num_batches, reserved=reserved)
 
-    def next_batch(self) -> int | None:
+    def next_batch(self, finished: int = 0) -> int | None:
+        return self._client_of("next_batch").next_batch(finished)
+
+    def end_epoch(self) -> None:
+        self._client_of("end_epoch").end_epoch()
+
+    def _client_of(self, call: str) -> BatchDispatcher:
         if self._bound is None:
-            raise RuntimeError("next_batch() before start_epoch(): the dispatch loader starts every epoch itself")
-        return self._bound.next_batch()
+            raise RuntimeError(f"{call}() before start_epoch(): the dispatch loader starts every epoch itself")
+        return self._bound
 
 
 class EpochOrder:
@@ -106,6 +122,13 @@ class EpochOrder:
         return self.dataset_size
 
 
+class _NotAsked:
+    """The next batch was not asked for yet (distinct from None: there is none)."""
+
+
+_NOT_ASKED = _NotAsked()
+
+
 class DispatchBatchSampler:
     """Yields lists of dataset indices for the global batches the PS assigns to this worker."""
 
@@ -120,6 +143,7 @@ class DispatchBatchSampler:
         drop_last: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        fetches_in_step: bool = False,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
@@ -128,6 +152,8 @@ class DispatchBatchSampler:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         self.dispatcher = dispatcher
+        #: the loader draws each index batch when Lightning asks for that batch (no worker processes ahead)
+        self.fetches_in_step = fetches_in_step
         self.dataset_size = dataset_size
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -136,6 +162,12 @@ class DispatchBatchSampler:
         self.sampler = EpochOrder(dataset_size, shuffle, seed)
         self.served: list[int] = []  # global batch indices this worker got in the current epoch
         self.last_position: int | None = None  # position in ``served`` after which the queue was empty
+        self.finished = 0  # how many of ``served`` are trained and pushed (set by DispatchEpochEnd)
+        self._ended = True  # whether the queue was told that this worker's epoch is over
+        #: ask for the next batch after training one (DispatchEpochEnd does), not before yielding it; set per
+        #: epoch by DispatchEpochEnd where the loader has no worker processes and gradients are not accumulated
+        self.ask_after_training = False
+        self._answer: int | _NotAsked | None = _NOT_ASKED
 
     @property
     def epoch(self) -> int:
@@ -160,39 +192,74 @@ class DispatchBatchSampler:
         return total
 
     def __len__(self) -> int:
-        """The most batches this worker can take in an epoch: its reserved one and every queued one (n - W + 1).
+        """The most batches this worker can take in an epoch: all n (when every other worker is lost).
 
         An upper bound, so Lightning's per-epoch batch limit never stops a worker early and a step-count
         schedule sized by ``estimated_stepping_batches`` never runs past its end.
         """
-        return self._checked_num_batches() - self.world_size + 1
+        return self._checked_num_batches()
+
+    def batch_done(self, position: int) -> None:
+        """This epoch's batch number ``position`` (0-based) and every earlier one are trained and pushed."""
+        self.finished = max(self.finished, position + 1)
+
+    def end_epoch(self) -> None:
+        """This worker trained its last batch of the epoch: tell the queue (once)."""
+        if not self._ended:
+            self._ended = True
+            self.finished = len(self.served)
+            self.dispatcher.end_epoch()
 
     def is_last(self, position: int) -> bool:
         """Whether this epoch's batch number ``position`` (0-based) is the last this worker gets."""
         return self.last_position is not None and position == self.last_position
+
+    def ask_after(self, position: int) -> bool:
+        """Ask for the batch after this epoch's batch ``position``, just trained; whether there is none.
+
+        Asked after training, a request holds no unfinished batch of this worker, so it may wait for the
+        others' (the queue answers it when a lost worker's batches come back, or when none can any more):
+        every sample is then trained at least once per epoch, whichever worker is lost and when.
+        """
+        if not self.ask_after_training or position != len(self.served) - 1 or self._answer is not _NOT_ASKED:
+            return self.is_last(position)
+        answer = self.dispatcher.next_batch(self.finished)
+        self._answer = answer
+        if answer is None:
+            self.last_position = position
+        return answer is None
 
     def __iter__(self) -> Iterator[list[int]]:
         """Batch ``rank`` first (so no worker ends an epoch empty-handed), then whatever the queue hands out.
 
         A worker without a single batch would skip Lightning's end-of-epoch validation and leave the others
         waiting at its collectives; reserving one batch per worker rules that out. The next index is asked for
-        before a batch is yielded, so that the last batch is known when Lightning receives it.
+        after the batch is trained (:meth:`ask_after`), or, where a loader's worker processes fetch ahead or
+        gradients are accumulated, before it is yielded, so that the last batch is known when Lightning
+        receives it.
         """
         order = self.sampler.order()
         total = self._checked_num_batches()
         self.served = []
         self.last_position = None
-        self.dispatcher.start_epoch(self.epoch, total - self.world_size, reserved=1)
+        self.finished = 0
+        self.dispatcher.start_epoch(self.epoch, total, reserved=self.world_size)
+        self._ended = False
+        self._answer = _NOT_ASKED
         index: int | None = self.rank
         while index is not None:
             if not 0 <= index < total:
                 raise RuntimeError(f"the PS dispatched batch {index} but this epoch has {total} batches")
             self.served.append(index)
-            queued = self.dispatcher.next_batch()
-            following = None if queued is None else self.world_size + queued
-            if following is None:
-                self.last_position = len(self.served) - 1
+            after = self.ask_after_training
+            if not after:
+                following = self.dispatcher.next_batch(self.finished)
+                if following is None:
+                    self.last_position = len(self.served) - 1
             yield order[index * self.batch_size : (index + 1) * self.batch_size]
+            if after:
+                answer, self._answer = self._answer, _NOT_ASKED
+                following = self.dispatcher.next_batch(self.finished) if isinstance(answer, _NotAsked) else answer
             index = following
 
 
@@ -263,6 +330,9 @@ class DispatchEpochEnd(Callback):
         self._sampler = samplers[0] if samplers else None
         if self._sampler is not None:
             trainer.val_check_batch = float("inf")  # validate after this worker's last batch, whenever it comes
+            # asked after training, the epoch's last batch is known only once trained: with accumulated gradients
+            # it must be known before (Lightning steps the partial accumulation at the last batch)
+            self._sampler.ask_after_training = self._sampler.fetches_in_step and trainer.accumulate_grad_batches == 1
         elif count and not self._warned:
             self._warned = True
             rank_zero_warn(
@@ -275,6 +345,25 @@ class DispatchEpochEnd(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._sampler is not None and self._sampler.is_last(batch_idx):
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Count the batches whose gradients were pushed; ask for the next batch; after the last, end the epoch."""
+        sampler = self._sampler
+        if sampler is None:
+            return
+        capped = batch_idx + 1 >= trainer.num_training_batches
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or capped or sampler.is_last(batch_idx):
+            sampler.batch_done(batch_idx)
+        last = capped or sampler.is_last(batch_idx)
+        if not last and not trainer.should_stop and sampler.ask_after(batch_idx):
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True  # Lightning validates, ends the epoch
+            last = True
+        if last or trainer.should_stop:
+            sampler.end_epoch()
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._sampler is not None:  # an epoch ended otherwise (max_steps): no worker waits for this one
+            self._sampler.end_epoch()
 
 
 def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
@@ -322,6 +411,7 @@ def make_dispatch_loader(
         drop_last=drop_last,
         rank=rank,
         world_size=world_size,
+        fetches_in_step=dataloader.num_workers == 0,
     )
     kwargs: dict[str, Any] = {
         "num_workers": dataloader.num_workers,

@@ -13,6 +13,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,10 +23,11 @@ import torch.distributed as dist
 
 from ivyplug.ps import checkpoint, service_link, topology
 from ivyplug.ps.config import PSConfig
+from ivyplug.ps.dispatch import WAIT
 from ivyplug.ps.endpoints import PendingReply, PSServerError, WireEndpoint, WireStats
 from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.member_group import MemberGroup
-from ivyplug.ps.messages import Header, Kind
+from ivyplug.ps.messages import BatchAsk, Header, Kind
 from ivyplug.ps.mirror import OptimizerSpec, is_elementwise
 from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in
 from ivyplug.ps.shard import Shard, load_state_bytes
@@ -81,6 +84,7 @@ class PSClient:
         self.topo: topology.Topology
         self.stop = threading.Event()
         self.epoch: int | None = None
+        self._epoch_ended = False
         self.closed = False
         self.m = _Metrics()
 
@@ -319,6 +323,7 @@ class PSClient:
     def sync(self) -> None:
         """Collective: let every in-flight push land, then pull the global params and buffers."""
         self._check_open()
+        self.end_epoch()  # a worker waiting for this one's batches must reach the barrier too
         for ep in self.topo.endpoints.values():
             ep.idle(self.rank)
         self.workers.barrier("every worker to reach sync()")
@@ -326,39 +331,88 @@ class PSClient:
 
     # -- data dispatch and stop signal ----------------------------------------------------------
     def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None:
-        """Collective at the start of an epoch: rank 0 refills the batch queue with 0..num_batches-1.
+        """Collective at the start of an epoch: the batch queue is refilled with ``0..num_batches-1``.
 
-        ``reserved``: batches this worker trains on without asking the queue (the dispatch loader gives
-        every worker one, so none ends an epoch empty-handed); counted in ``metrics()["batches"]``.
+        ``reserved``: the first ``reserved`` indices belong one to each worker (index ``r`` to rank ``r``, which
+        trains it without asking: the dispatch loader reserves one per worker, so none ends an epoch
+        empty-handed); counted in ``metrics()["batches"]``. If a worker is lost, the indices it had not
+        finished, its reserved one included, are handed out again (see ``next_batch``).
         """
         self._check_open()
-        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
-            raise ValueError(f"num_batches must be an int >= 0, got {num_batches!r}")
-        if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
-            raise ValueError(f"reserved must be an int >= 0, got {reserved!r}")
-        self.m.batches += reserved
+        for name, value in (("num_batches", num_batches), ("reserved", reserved)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if reserved > min(num_batches, self.world_size):
+            raise ValueError(
+                f"reserved must be at most min(num_batches={num_batches}, world_size={self.world_size}), got {reserved}"
+            )
+        if self.rank < reserved:
+            self.m.batches += 1
         if self.topo.queue is not None:
-            self.topo.queue.reset(epoch, num_batches)
+            self.topo.queue.reset(epoch, num_batches, reserved)
         elif self.topo.link is not None and self.rank == 0:  # the batch queue of an ivyplug serve
             assert self.topo.queue_endpoint is not None
-            self.topo.queue_endpoint.request(Kind.EPOCH, arg0=epoch, arg1=num_batches).header(self.cfg.timeout)
+            self.topo.queue_endpoint.request(Kind.EPOCH, arg0=epoch, arg1=num_batches, arg2=reserved).header(
+                self.cfg.timeout
+            )
         self.epoch = epoch
+        self._epoch_ended = False
         self.workers.barrier(f"every worker to start epoch {epoch}")
 
-    def next_batch(self) -> int | None:
-        """The next global batch index of the current epoch, or None when the epoch is exhausted."""
+    def next_batch(self, finished: int = 0) -> int | None:
+        """The next batch index of the current epoch, or None when the epoch is over.
+
+        ``finished``: how many of the indices this worker got in this epoch (its reserved one first) it has
+        trained and pushed; the others go back to the queue if this worker is lost. When the queue is empty
+        while another worker still trains an index it could give back, the answer waits for that worker.
+        """
         self._check_open()
         if self.epoch is None:
             raise RuntimeError("next_batch() before start_epoch(): call start_epoch(epoch, num_batches) first")
-        if self.topo.queue is not None:
-            index = self.topo.queue.take(self.rank, self.epoch)
-        else:
-            assert self.topo.queue_endpoint is not None
-            index = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch).header(self.cfg.timeout).arg0
+        if isinstance(finished, bool) or not isinstance(finished, int) or finished < 0:
+            raise ValueError(f"finished must be an int >= 0, got {finished!r}")
+        index = self._ask_queue(finished, BatchAsk.NOW)
+        if index == WAIT:  # leave the SSP clock first: a worker blocked by its clock may hold what this one waits for
+            for ep in self.topo.endpoints.values():
+                ep.idle(self.rank)
+            index = self._ask_queue(finished, BatchAsk.WAIT)
         if index < 0:
             return None
         self.m.batches += 1
         return index
+
+    def _ask_queue(self, finished: int, ask: int) -> int:
+        assert self.epoch is not None
+        if self.topo.queue is not None:
+            return self._wait_for_batch(self.topo.queue.take(self.rank, self.epoch, finished, ask == BatchAsk.WAIT))
+        assert self.topo.queue_endpoint is not None
+        request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg1=finished, arg2=ask)
+        return request.header(self.cfg.timeout).arg0
+
+    def end_epoch(self) -> None:
+        """This worker trained every batch it got in the current epoch: a worker waiting for them goes on.
+
+        Called by the dispatch loader after the epoch's last batch, and by ``sync()``; once per epoch.
+        """
+        self._check_open()
+        if self.epoch is None or self._epoch_ended:
+            return
+        self._epoch_ended = True
+        if self.topo.queue is not None:
+            self.topo.queue.finish(self.rank, self.epoch)
+        elif self.topo.queue_endpoint is not None:
+            request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg2=BatchAsk.END)
+            request.header(self.cfg.timeout)
+
+    def _wait_for_batch(self, fut: Future[int]) -> int:
+        try:
+            return fut.result(timeout=self.cfg.timeout)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"rank {self.rank}: no batch index of epoch {self.epoch} within timeout={self.cfg.timeout} s: the "
+                "batch queue waits for another worker to finish the batches it holds, and it did not "
+                "(raise timeout= if a batch takes longer)"
+            ) from None
 
     def request_stop(self) -> None:
         """Raise the stop flag on every PS rank (seen by the others at their next reply or query)."""

@@ -35,7 +35,7 @@ class Kind:
     PULL = 2  # fresh params (+ buffers) out
     IDLE = 3  # the worker leaves the SSP clock set until its next push (epoch end, sync)
     BYE = 4  # the worker (or peer server) is done: the server loop ends after all peers said it
-    NEXT_BATCH = 5  # next batch index of the epoch (arg0 = epoch)
+    NEXT_BATCH = 5  # next batch index of the epoch (arg0 = epoch, arg1 = batches finished, arg2 = a BatchAsk)
     STOP = 6  # raise the stop flag
     NORM = 7  # server to server: squared norm of a combined sync step (hyper payload = [sq_norm])
     STATE_SIZE = 8  # dedicated server: serialise the shard's state, reply arg0 = its length in bytes
@@ -44,11 +44,19 @@ class Kind:
     JOIN = 11  # ivyplug serve: payload = job description and initial values (typed encoding, arg0 = length),
     #            arg1 = the slot asked for (-1: any), arg2 = the job's worker count; reply arg0 = the slot given,
     #            arg1 = 1 if the job was created from this worker's values, arg2 = the servers' worker slots
-    EPOCH = 12  # ivyplug serve: refill the batch queue (arg0 = epoch, arg1 = batches); reply when done
+    EPOCH = 12  # ivyplug serve: refill the batch queue (arg0 = epoch, arg1 = batches, arg2 = reserved); reply when done
     GATHER = 13  # ivyplug serve: a collective among the live workers (payload = this worker's bytes in words,
     #              arg0 = their length, arg1 = the collective's number); reply arg0 = the result's length
     GATHER_FETCH = 14  # ivyplug serve: the result of collective arg1 (reply payload, arg0 = its length)
     REPLY = 16
+
+
+class BatchAsk:
+    """What a NEXT_BATCH asks for (header ``arg2``); the reply's ``arg0`` is the index, -1 (none) or -2 (wait)."""
+
+    NOW = 0  # an index, or -2 where the answer would have to wait
+    END = 1  # nothing: the worker trained every batch it got this epoch
+    WAIT = 2  # an index, waiting for it if need be
 
 
 class Status:

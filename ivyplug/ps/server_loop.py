@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from ivyplug.ps.dispatch import BatchQueue
-from ivyplug.ps.messages import MAX_ERROR_TEXT, Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
+from ivyplug.ps.messages import MAX_ERROR_TEXT, BatchAsk, Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError
 
@@ -244,6 +244,17 @@ class ServerLoop(threading.Thread):
                 f"[ivyplug.ps] rank {self.channel.rank} could not answer {to}: {send_exc}", file=sys.stderr, flush=True
             )
 
+    def _answer_batch(self, to: int, request: Header, fut: Future[int]) -> None:
+        """Send a batch index once the queue resolved it (on the resolving thread)."""
+        try:
+            self._reply(to, request, None, arg0=fut.result())
+        except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
+            print(
+                f"[ivyplug.ps] rank {self.channel.rank} could not answer rank {to}: {send_exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+
     def _answer(self, to: int, request: Header, fut: Future[Reply]) -> None:
         """Send a push's or pull's reply once its future is resolved (on the resolving thread)."""
         try:
@@ -294,11 +305,16 @@ class ServerLoop(threading.Thread):
         elif h.kind == Kind.NEXT_BATCH:
             if self.queue is None:
                 raise RuntimeError(f"rank {self.channel.rank} holds no batch queue (ask rank 0)")
-            self._reply(to, h, None, arg0=self.queue.take(w, h.arg0))
+            if h.arg2 == BatchAsk.END:  # the worker's epoch is over: it trained every batch it got
+                self.queue.finish(w, h.arg0)
+                self._reply(to, h, None, arg0=-1)
+            else:  # with WAIT, answered when the queue resolves it (another worker's batches may come back)
+                taken = self.queue.take(w, h.arg0, max(0, h.arg1), wait=h.arg2 == BatchAsk.WAIT)
+                taken.add_done_callback(lambda f: self._answer_batch(to, h, f))
         elif h.kind == Kind.EPOCH:
             if self.queue is None:
                 raise RuntimeError(f"rank {self.channel.rank} holds no batch queue")
-            self.queue.reset(h.arg0, h.arg1)
+            self.queue.reset(h.arg0, h.arg1, h.arg2)
             self._reply(to, h, None)
         elif h.kind in (Kind.GATHER, Kind.GATHER_FETCH):
             if self.rendezvous is None or self.member is None:

@@ -452,6 +452,7 @@ class PSService:
                     )
                 slot = free[0]
             self.slots[slot] = member
+            job.queue.rejoin(slot)
         if created:
             self._publish()
         return slot, created, job
@@ -479,16 +480,27 @@ class PSService:
             self.slots.pop(slot, None)
             job = self.job
             left = len(self.slots)
+        back: list[int] = []
+        late: list[int] = []
+        epoch = -1
         if job is not None:
             for shard in job.shards.values():
                 shard.leave(slot, reason)
+            # before the collectives go on without it: the batches it had not finished go back to the queue
+            back, late = job.queue.release(slot)
+            epoch = job.queue.epoch
             job.rendezvous.leave(slot)
-            if reason is not None:  # the batches it may not have finished go back to the queue
-                job.queue.release(slot)
         if left == 0:
             self.emptied.set()
         how = "left" if reason is None else f"is gone: {reason}"
         self.log(f"ivyplug serve: worker {slot} {how} ({left} connected)")
+        if back:
+            self.log(f"ivyplug serve: batches {back} of epoch {epoch} go back to the queue")
+        if late:
+            self.log(
+                f"ivyplug serve: batches {late} of epoch {epoch} stay untrained this epoch: every other "
+                "worker had already ended it"
+            )
 
     # -- snapshots and status -----------------------------------------------------------------------
     def snapshot(self) -> Path | None:

@@ -25,16 +25,20 @@ class SharedQueue:
         self.epoch: int | None = None
         self.next = 0
         self.total = 0
+        self.ended = 0
 
     def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None:
-        if self.epoch != epoch:
-            self.epoch, self.next, self.total = epoch, 0, num_batches
+        if self.epoch != epoch:  # the first 'reserved' indices are the workers' own
+            self.epoch, self.next, self.total = epoch, reserved, num_batches
 
-    def next_batch(self) -> int | None:
+    def next_batch(self, finished: int = 0) -> int | None:
         if self.next >= self.total:
             return None
         self.next += 1
         return self.next - 1
+
+    def end_epoch(self) -> None:
+        self.ended += 1
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -104,7 +108,7 @@ def _drain(workers: list[DispatchBatchSampler], pick: random.Random) -> dict[int
     ("n", "batch", "world", "drop_last"), [(103, 8, 2, False), (103, 8, 2, True), (40, 4, 3, False)]
 )
 def test_length_is_the_most_batches_one_worker_can_take(n: int, batch: int, world: int, drop_last: bool) -> None:
-    """n - W + 1: a worker's reserved batch and every queued one, never exceeded, reached by a worker that takes all."""
+    """n: every batch, taken by one worker when every other is lost; never exceeded."""
     num_batches = n // batch if drop_last else -(-n // batch)
     pick = random.Random(0)
     for epoch in range(20):
@@ -113,15 +117,15 @@ def test_length_is_the_most_batches_one_worker_can_take(n: int, batch: int, worl
             DispatchBatchSampler(queue, n, batch, shuffle=True, drop_last=drop_last, rank=r, world_size=world)
             for r in range(world)
         ]
-        assert all(len(w) == num_batches - world + 1 for w in workers)
+        assert all(len(w) == num_batches for w in workers)
         for w in workers:
             w.set_epoch(epoch)
         taken = _drain(workers, pick)
         assert sum(taken.values()) == num_batches
         assert all(1 <= t <= len(workers[r]) for r, t in taken.items())
-    queue = SharedQueue()  # the others take only their reserved batch: one worker reaches the bound exactly
+    queue = SharedQueue()  # the others take only their reserved batch: one worker takes the rest
     workers = [DispatchBatchSampler(queue, n, batch, shuffle=False, rank=r, world_size=world) for r in range(world)]
-    assert len(list(workers[0])) == len(workers[0])
+    assert len(list(workers[0])) == len(workers[0]) - world + 1
     assert all(len(list(w)) == 1 for w in workers[1:])
     assert DispatchBatchSampler(SharedQueue(), 4, 4, shuffle=False).__len__() == 1
     with pytest.raises(ValueError, match="at least one batch per worker"):
@@ -166,29 +170,45 @@ def test_refuses_a_training_loader_it_cannot_dispatch_and_passes_evaluation_load
     assert process_async_loader(trainer, evaluation, lambda: None, rank=0, world_size=1) is evaluation
 
 
-def _fit_stub(train_dataloader: object) -> SimpleNamespace:
+def _fit_stub(train_dataloader: object, accumulate: int = 1) -> SimpleNamespace:
     progress = SimpleNamespace(is_last_batch=False)
     return SimpleNamespace(
         train_dataloader=train_dataloader,
         val_check_batch=19,
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+        accumulate_grad_batches=accumulate,
+        num_training_batches=len(train_dataloader),  # type: ignore[arg-type]
+        should_stop=False,
     )
 
 
-def test_epoch_end_marks_the_last_dispatched_batch_and_validation_runs_there() -> None:
+@pytest.mark.parametrize(("accumulate", "num_workers"), [(1, 0), (2, 0), (1, 1)])
+def test_epoch_end_marks_the_last_dispatched_batch_and_validation_runs_there(accumulate: int, num_workers: int) -> None:
+    """Asked after training where it can (no loader processes, no accumulation), else ahead of the batch."""
     ds = TensorDataset(torch.arange(12))
-    loader = make_dispatch_loader(DataLoader(ds, batch_size=4), SharedQueue())
-    trainer = _fit_stub(loader)
+    queue = SharedQueue()
+    loader = make_dispatch_loader(DataLoader(ds, batch_size=4, num_workers=num_workers), queue, rank=0, world_size=2)
+    trainer = _fit_stub(loader, accumulate)
     callback = DispatchEpochEnd()
     callback.on_train_start(trainer, None)
     callback.on_train_epoch_start(trainer, None)
     assert trainer.val_check_batch == float("inf")  # validate at this worker's last batch, not at batch len()
+    sampler = loader.batch_sampler
+    assert isinstance(sampler, DispatchBatchSampler)
+    assert sampler.ask_after_training == (accumulate == 1 and num_workers == 0)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
     batches = iter(loader)
     marks = []
-    for batch_idx, _ in enumerate(batches):
-        callback.on_train_batch_start(trainer, None, None, batch_idx)
-        marks.append(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-    assert marks == [False, False, True]
+    for batch_idx in range(len(loader)):  # Lightning's loop: it ends at the batch marked last
+        batch = next(batches)
+        progress.is_last_batch = batch_idx + 1 >= len(loader)  # what Lightning's fetcher knows from the length
+        callback.on_train_batch_start(trainer, None, batch, batch_idx)
+        callback.on_train_batch_end(trainer, None, None, batch, batch_idx)
+        marks.append(progress.is_last_batch)
+        if progress.is_last_batch:
+            break
+    assert marks == [False, True]  # batch 0 (reserved), batch 2; batch 1 is the other worker's
+    assert sampler.served == [0, 2] and sampler.finished == 2 and queue.ended == 1
 
 
 def test_epoch_end_warns_once_without_dispatch_and_refuses_several_training_loaders() -> None:

@@ -23,6 +23,12 @@ def _check(out: str, tmp_path: Path) -> dict:
     assert r["checkpoint_epoch"] == 1 and r["checkpoint_matches_model"], r  # the last epoch's, loaded
     assert r["val_acc"] > 0.85, r
     assert "rank(s) [1] left the job" in out, out[-6000:]  # the warning names the lost rank
+    trained = {r: json.loads((tmp_path / f"trained_rank{r}.json").read_text()) for r in (0, 1)}
+    batches = trained[0]["batches"]
+    for epoch in ("0", "1"):  # every batch at least once per epoch, the epoch of the loss included
+        seen = set(trained[0]["epochs"][epoch]) | set(trained[1]["epochs"].get(epoch, []))
+        assert seen == set(range(batches)), (epoch, sorted(seen), batches)
+    assert len(trained[1]["epochs"]["0"]) == 8 and "1" not in trained[1]["epochs"]  # it died at its 9th batch
     return r
 
 

@@ -2,7 +2,8 @@
 
 ``python worker_loss_job.py OUT MODE WHERE``: MODE ``async`` or ``ssp``; WHERE a number of dedicated servers
 or the address of an ``ivyplug serve``. Rank 0 writes OUT/result.json: the epochs and steps it ran, its
-validation accuracy, the lost ranks, the checkpoint it saved and whether that checkpoint loads.
+validation accuracy, the lost ranks, the checkpoint it saved and whether that checkpoint loads; every rank
+writes OUT/trained_rank{r}.json, the batches it trained in each epoch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ class DieMidEpoch(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class TrainedBatches(pl.Callback):
+    """Each rank writes the global batch indices it trained (and pushed) so far, per epoch, after every batch."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.trained: dict[int, list[int]] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        sampler = trainer.train_dataloader.batch_sampler  # type: ignore[union-attr]
+        self.trained.setdefault(trainer.current_epoch, []).append(sampler.served[batch_idx])
+        path = self.out / f"trained_rank{trainer.global_rank}.json"
+        path.write_text(json.dumps({"epochs": self.trained, "batches": len(sampler)}))
+
+
 class StartAccuracy(pl.Callback):
     """Validation accuracy of the model each fit starts from (after the strategy pulled the servers' copy)."""
 
@@ -55,7 +70,7 @@ def main() -> None:
         devices=2,
         strategy=strategy,
         max_epochs=2,
-        callbacks=[DieMidEpoch(), StartAccuracy(), checkpoint],
+        callbacks=[DieMidEpoch(), StartAccuracy(), TrainedBatches(out), checkpoint],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "ps": "ivyplug.benchmarks.ps",
     "keras_overhead": "ivyplug.benchmarks.keras_overhead",
     "scale": "ivyplug.benchmarks.scale",
+    "averaging": "ivyplug.benchmarks.averaging",
 }
 
 
@@ -35,16 +36,34 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keras", action="store_true", help="lamb only: also compare the Keras LAMB with Keras's Lamb and AdamW"
     )
+    parser.add_argument(
+        "--select",
+        action="append",
+        metavar="KEY=V1,V2",
+        help="averaging only: run a subset of the grid (keys setting, slowdown, H, outer, wire; repeatable)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHMARKS[args.name])
-    extra = {}
+    extra: dict[str, object] = {}
     if getattr(args, "keras", False):
         if "keras" not in inspect.signature(module.run).parameters:
             print(f"ivyplug bench {args.name}: --keras applies to 'lamb' only", file=sys.stderr)
             return 2
         extra["keras"] = True
+    if getattr(args, "select", None):
+        if "select" not in inspect.signature(module.run).parameters:
+            print(f"ivyplug bench {args.name}: --select applies to 'averaging' only", file=sys.stderr)
+            return 2
+        select: dict[str, list[str]] = {}
+        for item in args.select:
+            key, sep, values = item.partition("=")
+            if not sep or not values:
+                print(f"ivyplug bench {args.name}: --select takes KEY=V1,V2, got {item!r}", file=sys.stderr)
+                return 2
+            select.setdefault(key, []).extend(values.split(","))
+        extra["select"] = select
     results = module.run(quick=args.quick, **extra)
     print(module.format_table(results))
     text = json.dumps(results, indent=2, default=str)

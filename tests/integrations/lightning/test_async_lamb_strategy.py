@@ -39,7 +39,7 @@ def test_async_lamb_two_workers_converge_to_one_global_model(mode: str) -> None:
     metrics = trainer.callback_metrics
     # async merges depend on timing: under foreign load seed 0 ended at 0.916-0.933 (with today's merge rule and
     # with a flat rate 1/2 alike) where a quiet machine gives 0.95-0.96; the rule itself is checked exactly
-    # in tests/optim/test_async_lamb.py, and LAMB-vs-DDP accuracy over 3 seeds in test_async_lamb_accuracy.py
+    # in tests/optim/test_async_lamb.py, and async LAMB against sync LAMB (DDP math) in test_averaging_accuracy.py
     assert float(metrics["val_acc"]) >= (0.93 if mode == "sync" else 0.90)
     # 1440 samples / 32 per batch = 45 batches per epoch, split between 2 workers; one push per 4 local steps
     # plus the flush before each validation: far fewer pushes than batches, but some from every worker

@@ -2,7 +2,8 @@
 
 Probes (:class:`NvmlProbe`, :class:`TorchAllocatorProbe`, :class:`PsutilProbe`, :class:`ScriptedProbe`)
 return flat readings; :class:`Sampler` polls them off the training thread; the decisions
-(:class:`BatchSizePolicy`, :func:`lr_factor`, :func:`next_shares` from per-rank :class:`StepTimeModel` fits,
+(:class:`BatchSizePolicy`, which weighs a growth by goodput from a :class:`NoiseScale`, :func:`lr_factor`,
+:func:`next_shares` from per-rank :class:`StepTimeModel` fits,
 :func:`worker_shares`, :func:`plan_epoch`,
 :func:`least_loaded`, :func:`split_batch`) are pure functions of observations that the Lightning and
 Keras callbacks apply. Nothing here imports a framework at import time.
@@ -19,6 +20,15 @@ from ivyplug.load.device_choice import (
     least_loaded,
     parse_memory,
     rank_devices,
+)
+from ivyplug.load.goodput import (
+    GoodputEstimate,
+    NoiseScale,
+    StepCost,
+    goodput_gain,
+    noise_components,
+    predict_step_seconds,
+    statistical_efficiency,
 )
 from ivyplug.load.lr_scaling import RULES, lr_factor, lr_rule_for, resolve_rule
 from ivyplug.load.nvml_probe import NvmlProbe
@@ -45,8 +55,10 @@ __all__ = [
     "Decision",
     "DeviceLoad",
     "EpochPlan",
+    "GoodputEstimate",
     "LoadObservation",
     "NoDeviceAvailableError",
+    "NoiseScale",
     "NvmlProbe",
     "OutOfMemoryRecoveryError",
     "PolicyState",
@@ -56,6 +68,7 @@ __all__ = [
     "Sampler",
     "ScriptedProbe",
     "Stat",
+    "StepCost",
     "StepTimeModel",
     "TorchAllocatorProbe",
     "available_probes",
@@ -65,6 +78,7 @@ __all__ = [
     "default_probes",
     "devices_from_readings",
     "fit_step_time",
+    "goodput_gain",
     "gradient_weights",
     "is_oom_error",
     "least_loaded",
@@ -76,15 +90,18 @@ __all__ = [
     "min_max_shares",
     "next_shares",
     "next_split",
+    "noise_components",
     "observation_from_readings",
     "observation_from_summary",
     "parse_memory",
     "part_sizes",
     "plan_epoch",
+    "predict_step_seconds",
     "rank_devices",
     "resolve_rule",
     "smooth_speeds",
     "split_batch",
+    "statistical_efficiency",
     "step_sizes",
     "worker_shares",
 ]

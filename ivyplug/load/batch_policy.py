@@ -5,6 +5,13 @@
   back above the size it was lowered to (``ceiling``).
 - Grow (by ``grow_factor``) when mean utilisation is below ``grow_below_utilization`` and peak memory
   is at most ``memory_low``, once ``cooldown`` decisions have passed since the last change.
+- With ``goodput`` (the default) a growth also has to pay: the predicted goodput (throughput × statistical
+  efficiency from the gradient noise scale, :mod:`ivyplug.load.goodput`) at the grown B must exceed the
+  current one by ``goodput_threshold``; without an estimate (one process, a strategy that never shows the
+  combined gradient) B does not grow and the reason says why. A growth must also keep the statistical
+  efficiency relative to the batch the fit started with at ``min_efficiency`` or more: goodput is about time,
+  and a schedule tuned in epochs for that batch would otherwise end less accurate (at most 1/min_efficiency
+  times the samples for the same progress).
 - Between ``memory_low`` and ``memory_high`` nothing moves (hysteresis), and a change smaller than
   ``min_relative_change`` of B is not worth it (AdaptDL's 5% rule). Bounds are always respected.
 
@@ -18,6 +25,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ivyplug.load.goodput import GoodputEstimate, statistical_efficiency
 from ivyplug.load.observation import LoadObservation
 
 
@@ -86,6 +94,9 @@ class BatchSizePolicy:
     memory_high: float = 0.9
     cooldown: int = 1
     min_relative_change: float = 0.05
+    goodput: bool = True
+    goodput_threshold: float = 0.05
+    min_efficiency: float = 0.9
 
     def __post_init__(self) -> None:
         _check_int("min_batch_size", self.min_batch_size, 1)
@@ -108,13 +119,26 @@ class BatchSizePolicy:
             )
         _check_int("cooldown", self.cooldown, 0)
         _check_float("min_relative_change", self.min_relative_change, 0.0, 1.0)
+        if not isinstance(self.goodput, bool):
+            raise ValueError(f"goodput must be True or False, got {self.goodput!r}")
+        _check_float("goodput_threshold", self.goodput_threshold, 0.0, 10.0)
+        _check_float("min_efficiency", self.min_efficiency, 0.0, 1.0)
 
     def clamp(self, batch_size: int, ceiling: int | None = None) -> int:
         upper = self.max_batch_size if ceiling is None else max(self.min_batch_size, min(self.max_batch_size, ceiling))
         return max(self.min_batch_size, min(upper, batch_size))
 
-    def decide(self, batch_size: int, observation: LoadObservation, state: PolicyState | None = None) -> Decision:
-        """The batch size for the next epoch given what the last one looked like."""
+    def decide(
+        self,
+        batch_size: int,
+        observation: LoadObservation,
+        state: PolicyState | None = None,
+        estimate: GoodputEstimate | None = None,
+    ) -> Decision:
+        """The batch size for the next epoch given what the last one looked like.
+
+        ``estimate`` is what a growth is weighed with when ``goodput`` is on (``None``: no estimate, so no growth).
+        """
         _check_int("batch_size", batch_size, 1)
         if not isinstance(observation, LoadObservation):
             raise ValueError(f"observation must be a LoadObservation, got {observation!r}")
@@ -137,7 +161,28 @@ class BatchSizePolicy:
         if util < self.grow_below_utilization and mem <= self.memory_low:
             target = max(batch_size + 1, math.ceil(batch_size * self.grow_factor))
             new = self.clamp(target, state.ceiling)
-            return self._outcome(batch_size, new, f"grow: utilisation {util:.0f}%, memory {mem:.0%}", aged)
+            why = f"utilisation {util:.0f}%, memory {mem:.0%}"
+            if self.goodput and new != batch_size:
+                gain = None if estimate is None else estimate.gain(batch_size, new)
+                if gain is None:
+                    unknown = "no goodput estimate" if estimate is None else estimate.why_unknown()
+                    return Decision(batch_size, False, f"hold: {why} but goodput unknown ({unknown})", aged)
+                noise = estimate.noise_scale if estimate is not None else None
+                why += f", goodput x{gain:.2f} at {new} (noise scale {noise:.0f})"
+                if not gain >= 1.0 + self.goodput_threshold:  # NaN-safe: a NaN gain holds
+                    return Decision(batch_size, False, f"hold: {why}, below x{1.0 + self.goodput_threshold:.2f}", aged)
+                assert estimate is not None and noise is not None
+                base = estimate.base_batch_size or batch_size
+                efficiency = statistical_efficiency(noise, new, base)
+                if not efficiency >= self.min_efficiency:
+                    return Decision(
+                        batch_size,
+                        False,
+                        f"hold: {why}, but efficiency {efficiency:.2f} relative to the starting batch {base} is "
+                        f"below min_efficiency {self.min_efficiency:.2f}",
+                        aged,
+                    )
+            return self._outcome(batch_size, new, f"grow: {why}", aged)
         return Decision(batch_size, False, f"hold: utilisation {util:.0f}%, memory {mem:.0%}", aged)
 
     def _outcome(self, old: int, new: int, reason: str, state: PolicyState) -> Decision:

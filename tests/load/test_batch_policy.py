@@ -31,13 +31,13 @@ def run(policy: BatchSizePolicy, b: int, observations: list[LoadObservation]) ->
 
 
 def test_idle_grows_with_cooldown_up_to_the_bound() -> None:
-    policy = BatchSizePolicy(min_batch_size=8, max_batch_size=100, cooldown=1)
+    policy = BatchSizePolicy(min_batch_size=8, max_batch_size=100, cooldown=1, goodput=False)
     assert run(policy, 16, [IDLE] * 6) == [32, 32, 64, 64, 100, 100]
-    assert run(BatchSizePolicy(8, 100, cooldown=0), 16, [IDLE] * 3) == [32, 64, 100]
+    assert run(BatchSizePolicy(8, 100, cooldown=0, goodput=False), 16, [IDLE] * 3) == [32, 64, 100]
 
 
 def test_memory_pressure_shrinks_at_once_and_busy_or_band_holds() -> None:
-    policy = BatchSizePolicy(min_batch_size=8, max_batch_size=128, cooldown=3)
+    policy = BatchSizePolicy(min_batch_size=8, max_batch_size=128, cooldown=3, goodput=False)
     assert run(policy, 64, [FULL, FULL, FULL, FULL]) == [32, 16, 8, 8]
     assert run(policy, 64, [BUSY] * 5) == [64] * 5
     assert run(policy, 64, [BAND] * 5) == [64] * 5  # hysteresis band: neither grow nor shrink
@@ -46,7 +46,7 @@ def test_memory_pressure_shrinks_at_once_and_busy_or_band_holds() -> None:
 
 
 def test_oom_shrinks_and_caps_later_growth() -> None:
-    policy = BatchSizePolicy(min_batch_size=4, max_batch_size=256, cooldown=0)
+    policy = BatchSizePolicy(min_batch_size=4, max_batch_size=256, cooldown=0, goodput=False)
     d = policy.decide(64, LoadObservation(utilization=10.0, memory_fraction=0.2, oom_count=1))
     assert d.batch_size == 32 and d.changed and d.state.ceiling == 32 and "out of memory" in d.reason
     assert run(policy, 32, [IDLE] * 3) == [64, 128, 256]  # without state: no ceiling
@@ -58,7 +58,7 @@ def test_oom_shrinks_and_caps_later_growth() -> None:
 
 
 def test_small_changes_are_not_worth_it() -> None:
-    policy = BatchSizePolicy(min_batch_size=1, max_batch_size=102, cooldown=0, min_relative_change=0.05)
+    policy = BatchSizePolicy(min_batch_size=1, max_batch_size=102, cooldown=0, min_relative_change=0.05, goodput=False)
     d = policy.decide(100, IDLE)
     assert d.batch_size == 100 and not d.changed and "below 5%" in d.reason
     assert policy.decide(100, IDLE).state.since_change > 0

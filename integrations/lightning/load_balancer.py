@@ -16,6 +16,14 @@ How it works (all decisions at epoch boundaries, agreed by every rank):
   integer shares that minimise the slowest rank's predicted step time, takes a damped step towards
   them (:mod:`ivyplug.load.share_model`) and broadcasts the decision. The learning rate is rescaled on every change
   of B (``lr_scaling="auto"``: √k for Adam-family/LAMB, k for SGD).
+- Growth has to pay (``goodput=True``, the default): the policy grows B only when the predicted goodput,
+  throughput × statistical efficiency (:mod:`ivyplug.load.goodput`), rises by ``goodput_threshold``. Under
+  ``ddp`` the share-weighting hook sees both gradients the noise scale needs: this rank's own (before the
+  all-reduce) and the combined one (after it); each rank sends the epoch's mean estimates of |G|² and tr(Σ)
+  (two scalars) with its epoch record, rank 0 smooths them (EMA) into B_noise. The throughput side is the
+  measured wall seconds per step, split into a fixed part and the compute part (taken to scale with B).
+  Where the estimate is unavailable (one process; ``ivy_ps``, whose servers combine the gradients out of
+  sight) B does not grow, with one warning naming why.
 - Under ``ddp`` a communication hook registered in ``on_fit_start`` multiplies each rank's gradient
   by b_i/B and all-reduces with SUM (a user's own ``ddp_comm_hook`` is composed, or refused with
   ``comm_hook="refuse"``). Under ``ivy_ps`` sync the strategy already weights by sample counts.
@@ -45,6 +53,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from ivyplug.load.batch_policy import BatchSizePolicy, PolicyState, default_batch_bounds
+from ivyplug.load.goodput import GoodputEstimate, NoiseScale, StepCost
 from ivyplug.load.lr_scaling import check_rule, lr_factor, resolve_rule
 from ivyplug.load.observation import LoadObservation, combine_observations, observation_from_summary
 from ivyplug.load.probe import Probe
@@ -92,6 +101,13 @@ class IvyLoadBalancer(Callback):
         min_batch_size, max_batch_size: bounds for B (default: one sample per rank, and 8 × the initial B).
         grow_factor, shrink_factor, grow_below_utilization, memory_low, memory_high, cooldown,
             min_relative_change: the :class:`~ivyplug.load.BatchSizePolicy` rules.
+        goodput: grow B only when the predicted goodput (throughput × statistical efficiency from the gradient
+            noise scale) rises by ``goodput_threshold`` (a fraction: 0.05 is 5%); ``False``: utilisation and
+            memory alone decide.
+        min_efficiency: a growth must also keep the statistical efficiency relative to the batch the fit started
+            with at least this high (0.9: at most 1/0.9 times the samples for the same progress), so that a
+            schedule tuned in epochs for that batch does not end less accurate; 0 disables this floor.
+        noise_smoothing: weight of the past in the per-epoch moving averages of |G|² and tr(Σ), in [0, 1).
         policy: a full :class:`~ivyplug.load.BatchSizePolicy` (overrides the bounds and the rules above).
         lr_scaling: ``"auto"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
         log_every_n_steps: metric logging period (default: the trainer's ``log_every_n_steps``).
@@ -121,6 +137,10 @@ class IvyLoadBalancer(Callback):
         memory_high: float = 0.9,
         cooldown: int = 1,
         min_relative_change: float = 0.05,
+        goodput: bool = True,
+        goodput_threshold: float = 0.05,
+        min_efficiency: float = 0.9,
+        noise_smoothing: float = 0.5,
         policy: BatchSizePolicy | None = None,
         lr_scaling: str = "auto",
         log_every_n_steps: int | None = None,
@@ -154,6 +174,9 @@ class IvyLoadBalancer(Callback):
             "memory_high": memory_high,
             "cooldown": cooldown,
             "min_relative_change": min_relative_change,
+            "goodput": goodput,
+            "goodput_threshold": goodput_threshold,
+            "min_efficiency": min_efficiency,
         }
         BatchSizePolicy(1, 1, **self._policy_args)  # validates every rule now, not at the first epoch end
         if not callable(probes) and probes is not None:
@@ -193,6 +216,10 @@ class IvyLoadBalancer(Callback):
         self.batch_size: int | None = None
         self.shares: list[int] | None = None
         self.policy_state = PolicyState()
+        self.noise = NoiseScale(smoothing=noise_smoothing)  # validates noise_smoothing
+        self.step_costs: list[StepCost] = []  # (B, wall seconds per step, compute seconds per step), recent epochs
+        self.goodput_unavailable: str | None = None  # why this fit has no noise-scale estimate
+        self.initial_batch_size: int | None = None  # B when the first fit started (min_efficiency's reference)
         self.lr_factor = 1.0
         self.oom_count = 0
         # per rank: (median samples per step, median compute seconds per step) of every balanced epoch, oldest first
@@ -259,6 +286,14 @@ class IvyLoadBalancer(Callback):
             log.info("IvyLoadBalancer: reloading training loaders every epoch (reload_dataloaders_every_n_epochs=1)")
             trainer_any.reload_dataloaders_every_n_epochs = 1
         strategy = trainer.strategy
+        self.goodput_unavailable = None
+        if self._world == 1:
+            self.goodput_unavailable = "one process sees its gradient at one batch size only, the noise scale needs two"
+        elif getattr(strategy, "ps_config", None) is not None or not isinstance(strategy, DDPStrategy):
+            self.goodput_unavailable = (
+                f"under {type(strategy).__name__} the combined gradient is formed where this callback cannot see it "
+                "(the parameter servers apply it and the workers pull parameters), the noise scale needs it"
+            )
         if getattr(strategy, "is_async", False):
             self._monitor_only("the ivy_ps async/ssp strategy hands out batches itself")
         if self._orig_process is None:
@@ -310,6 +345,7 @@ class IvyLoadBalancer(Callback):
             self._hook_state = ShareHookState(
                 world_size=self._world, process_group=model.process_group, user_hook=user_hook, user_state=user_state
             )
+            self._hook_state.measure_noise = self._world > 1
             try:
                 model.register_comm_hook(self._hook_state, share_weighted_hook)
             except RuntimeError as exc:
@@ -320,6 +356,15 @@ class IvyLoadBalancer(Callback):
                 ) from exc
         elif self._user_hook is not None:
             raise RuntimeError("a ddp_comm_hook was given but the model is not wrapped in DistributedDataParallel")
+        elif self.goodput_unavailable is None:
+            self.goodput_unavailable = "the model is not wrapped in DistributedDataParallel, so no gradient is seen"
+        if self.goodput_unavailable is not None and self.adapt_batch_size and self._goodput_on():
+            rank_zero_warn(
+                f"IvyLoadBalancer(goodput=True): no gradient noise scale estimate: {self.goodput_unavailable}; "
+                "the batch size will not grow (it still shrinks on memory pressure). Pass goodput=False to let "
+                "utilisation and memory alone decide."
+            )
+        self._accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         if self.oom_recovery and pl_module.automatic_optimization:
             self._oom = OOMRecovery(trainer, pl_module, self.oom_max_parts, self.loss_reduction, self._count_oom)
 
@@ -351,6 +396,8 @@ class IvyLoadBalancer(Callback):
         spec = loader_spec(dataloader, default_seed)
         if self.batch_size is None:
             self.batch_size = spec.batch_size * self._world
+        if self.initial_batch_size is None:
+            self.initial_batch_size = self.batch_size
         if self.shares is None or len(self.shares) != self._world or sum(self.shares) != self.batch_size:
             self.shares = worker_shares(self.batch_size, [1.0] * self._world)
         sampler = ShareBatchSampler(
@@ -380,6 +427,12 @@ class IvyLoadBalancer(Callback):
         self._t0 = 0.0
         self._t_backward = None  # type: float | None
         self._step_samples = 0
+        self._step_global = 0
+        self._step_walls: list[float] = []  # wall seconds between consecutive batch ends
+        self._last_end = time.perf_counter()
+        # sums over this epoch's steps of the per-step (|G|², tr(Σ)) estimates, and how many steps were finite
+        self._noise_sum: torch.Tensor | None = None
+        self._noise_count: torch.Tensor | None = None
 
     def _count_oom(self) -> None:
         self.oom_count += 1
@@ -408,14 +461,19 @@ class IvyLoadBalancer(Callback):
         hook_state = self._hook_state
         if sampler is not None and batch_idx < sampler.steps:
             self._step_samples = sampler.local_sizes[batch_idx]
+            self._step_global = sampler.step_sizes[batch_idx]
             if hook_state is not None:
                 hook_state.weight = sampler.weights[batch_idx]
         else:
             self._step_samples = _batch_len(batch)
+            self._step_global = self._step_samples * self._world
             if hook_state is not None:
                 hook_state.weight = 1.0 / self._world
         if hook_state is not None:
             hook_state.last_bucket_time = None
+            if hook_state.measure_noise:
+                hook_state.local_sq.clear()
+                hook_state.combined_sq.clear()
         self._t_backward = None
         self._t0 = time.perf_counter()
         self.hook_breakdown["batch"] += self._t0 - start
@@ -438,9 +496,31 @@ class IvyLoadBalancer(Callback):
         self._epoch_samples += self._step_samples
         self._epoch_steps += 1
         self.steps += 1
+        self._step_walls.append(now - self._last_end)
+        self._last_end = now
+        if self._hook_state is not None and self._hook_state.measure_noise:
+            self._noise_step(self._hook_state)
         if self.steps % self._log_every == 0:
             self._log_step()
         self.hook_breakdown["batch"] += time.perf_counter() - now
+
+    def _noise_step(self, state: ShareHookState) -> None:
+        """Add this step's (|G|², tr(Σ)) estimate to the epoch's sums, as tensors (no device sync per step)."""
+        local, combined = state.local_sq, state.combined_sq
+        b = self._step_samples * self._accumulate
+        big = self._step_global * self._accumulate
+        if not local or len(local) != len(combined) or big <= b:
+            return
+        small_sq = torch.stack(local).sum()
+        big_sq = torch.stack(combined).sum()
+        values = torch.stack([(big * big_sq - b * small_sq) / (big - b), (small_sq - big_sq) / (1.0 / b - 1.0 / big)])
+        finite = torch.isfinite(values).all()
+        values = torch.where(finite, values, torch.zeros_like(values))
+        if self._noise_sum is None or self._noise_count is None:
+            self._noise_sum, self._noise_count = values, finite.to(values.dtype)
+        else:
+            self._noise_sum = self._noise_sum + values
+            self._noise_count = self._noise_count + finite.to(values.dtype)
 
     def _log_step(self) -> None:
         metrics: dict[str, float] = {}
@@ -478,13 +558,36 @@ class IvyLoadBalancer(Callback):
         self.policy = BatchSizePolicy(max(low, self._world), max(high, low, self._world), **self._policy_args)
         return self.policy
 
+    def _goodput_on(self) -> bool:
+        return self.policy.goodput if self.policy is not None else bool(self._policy_args["goodput"])
+
+    def _estimate(self, records: list[dict[str, Any]], batch_size: int) -> tuple[GoodputEstimate, NoiseScale, list]:
+        """The gradient noise scale and step costs after this epoch (rank 0; the result is broadcast)."""
+        noise = NoiseScale.from_dict(self.noise.to_dict())
+        steps = sum(r["noise_steps"] for r in records)
+        if steps > 0:  # step-weighted mean over ranks of each rank's epoch mean: unbiased, as each one is
+            grad_sq = sum(r["noise_grad_sq"] * r["noise_steps"] for r in records) / steps
+            trace = sum(r["noise_trace"] * r["noise_steps"] for r in records) / steps
+            noise.update(grad_sq, trace)
+        costs = list(self.step_costs)
+        wall = max(r["wall_step"] for r in records)
+        compute = max(r["step_time"] for r in records)
+        if wall > 0 and compute > 0:
+            costs = [*costs, StepCost(batch_size, wall, compute)][-8:]
+        unavailable = self.goodput_unavailable
+        if unavailable is None and self.monitoring_only is not None:
+            unavailable = self.monitoring_only
+        estimate = GoodputEstimate(noise.value, tuple(costs), unavailable, base_batch_size=self.initial_batch_size)
+        return estimate, noise, costs
+
     def _decide(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         assert self.batch_size is not None and self.shares is not None
         old = self.batch_size
         new, state, reason = old, self.policy_state, "fixed"
+        estimate, noise, costs = self._estimate(records, old)
         if self.adapt_batch_size and self.monitoring_only is None:
             observations = [LoadObservation(r["utilization"], r["memory_fraction"], r["oom_count"]) for r in records]
-            decision = self._policy().decide(old, combine_observations(observations), self.policy_state)
+            decision = self._policy().decide(old, combine_observations(observations), self.policy_state, estimate)
             new, state, reason = decision.batch_size, decision.state, decision.reason
         shares = list(self.shares)
         history: list[list[tuple[float, float]]] = [list(h) for h in self.step_observations]
@@ -515,6 +618,8 @@ class IvyLoadBalancer(Callback):
             "share_gain": gain,
             "target_shares": target,
             "step_models": models,  # per rank [a_i seconds per step, c_i seconds per sample]
+            "noise": noise.to_dict(),
+            "step_costs": [[c.batch_size, c.seconds, c.compute] for c in costs],
         }
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -539,6 +644,8 @@ class IvyLoadBalancer(Callback):
             # medians, not means: on a shared machine a few preempted steps would tilt the step-time fit
             "step_share": statistics.median(self._step_shares) if self._step_shares else 0.0,
             "step_time": statistics.median(self._step_computes) if self._step_computes else 0.0,
+            "wall_step": statistics.median(self._step_walls) if self._step_walls else 0.0,
+            **self._noise_record(),
             "utilization": obs.utilization,
             "memory_fraction": obs.memory_fraction,
             "oom_count": self._epoch_ooms,
@@ -560,6 +667,8 @@ class IvyLoadBalancer(Callback):
         self.step_observations = [[(float(b), float(t)) for b, t in h] for h in decision["step_observations"]]
         self.previous_shares = decision["previous_shares"]
         self.share_gain = float(decision["share_gain"])
+        self.noise = NoiseScale.from_dict(decision["noise"])
+        self.step_costs = [StepCost(int(b), float(t), float(c)) for b, t, c in decision["step_costs"]]
         if self.batch_size != old:
             self._rescale_lr(trainer, old, self.batch_size)
         self.history.append(
@@ -572,16 +681,27 @@ class IvyLoadBalancer(Callback):
                 "step_models": decision["step_models"],
                 "reason": decision["reason"],
                 "lr_factor": self.lr_factor,
+                "noise_scale": self.noise.value,
                 "ranks": records,
             }
         )
         metrics: dict[str, float] = {"ivy/batch_size": float(self.batch_size), "ivy/lr_factor": self.lr_factor}
+        if self.noise.value is not None:
+            metrics["ivy/noise_scale"] = self.noise.value
         for r in records:
             for key in ("compute_time", "samples", "share", "utilization", "memory_fraction", "oom_count"):
                 value = r[key]
                 if value is not None:
                     metrics[f"ivy/rank{r['rank']}/{key}"] = float(value)
         self._emit(trainer, metrics)
+
+    def _noise_record(self) -> dict[str, float]:
+        """This rank's epoch means of the per-step |G|² and tr(Σ) estimates: the one device sync per epoch."""
+        if self._noise_sum is None or self._noise_count is None:
+            return {"noise_grad_sq": 0.0, "noise_trace": 0.0, "noise_steps": 0}
+        count = int(self._noise_count.item())
+        grad_sq, trace = (self._noise_sum / max(count, 1)).tolist()
+        return {"noise_grad_sq": float(grad_sq), "noise_trace": float(trace), "noise_steps": count}
 
     def _emit(self, trainer: pl.Trainer | None, metrics: dict[str, float]) -> None:
         """Hand metrics straight to the loggers (rank 0 only, as Lightning's loggers do).
@@ -622,6 +742,9 @@ class IvyLoadBalancer(Callback):
             "step_observations": self.step_observations,
             "previous_shares": self.previous_shares,
             "share_gain": self.share_gain,
+            "noise": self.noise.to_dict(),
+            "step_costs": [[c.batch_size, c.seconds, c.compute] for c in self.step_costs],
+            "initial_batch_size": self.initial_batch_size,
             "history": self.history,
         }
 
@@ -635,6 +758,10 @@ class IvyLoadBalancer(Callback):
         self.step_observations = [[(float(b), float(t)) for b, t in h] for h in state_dict.get("step_observations", [])]
         self.previous_shares = state_dict.get("previous_shares")
         self.share_gain = float(state_dict.get("share_gain", 1.0))
+        if "noise" in state_dict:  # checkpoints from before the goodput rule start the estimate afresh
+            self.noise = NoiseScale.from_dict(state_dict["noise"])
+        self.step_costs = [StepCost(int(b), float(t), float(c)) for b, t, c in state_dict.get("step_costs", [])]
+        self.initial_batch_size = state_dict.get("initial_batch_size", self.batch_size)
         self.history = list(state_dict["history"])
 
 

@@ -106,6 +106,7 @@ class ShareBatchSampler:
         self._plan_epoch = epoch
         self.steps = self._plan.steps
         self.local_sizes: list[int] = [len(b) for b in self._plan.batches[rank]]
+        self.step_sizes: list[int] = list(self._plan.step_sizes)  # the global batch of each step
         self.weights: list[float] = [n / size for n, size in zip(self.local_sizes, self._plan.step_sizes, strict=True)]
 
     def _build_plan(self) -> EpochPlan:

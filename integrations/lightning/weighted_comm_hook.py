@@ -6,6 +6,12 @@ SUM. A user's own hook (torch allows one per model) is composed: the bucket is p
 W·b_i/B and handed to it, which is right for every hook that ends in a mean over W ranks (the
 default all-reduce, fp16/bf16 compression, PowerSGD). The hook also stamps the time at which the
 last bucket is ready: the end of this rank's own backward compute, before any waiting for others.
+
+With ``measure_noise`` the hook also keeps, per bucket, the squared norm of this rank's own gradient (the
+buffer before weighting: the mean over its b_i samples) and of the combined one (the reduced buffer: the
+mean over all B samples), as 0-d tensors: no device sync per step. The load balancer turns the two into a
+gradient noise scale estimate (:mod:`ivyplug.load.goodput`). This is the only place where both are visible
+under DDP: after backward ``.grad`` already holds the combined gradient.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ class ShareHookState:
     user_state: Any = None
     last_bucket_time: float | None = None
     calls: int = field(default=0)
+    measure_noise: bool = False
+    local_sq: list[torch.Tensor] = field(default_factory=list)  # this step, per bucket: |own gradient|²
+    combined_sq: list[torch.Tensor] = field(default_factory=list)  # this step, per bucket: |combined|²
+
+
+def _sq_norm(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(tensor.detach(), dtype=torch.float32).square()
 
 
 def share_weighted_hook(state: ShareHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -38,12 +51,26 @@ def share_weighted_hook(state: ShareHookState, bucket: dist.GradBucket) -> torch
     if bucket.is_last():
         state.last_bucket_time = time.perf_counter()
     buffer = bucket.buffer()
+    if state.measure_noise:
+        state.local_sq.append(_sq_norm(buffer))  # list.append: safe from the reducer's threads
     if state.user_hook is not None:
         buffer.mul_(state.weight * state.world_size)
-        return state.user_hook(state.user_state, bucket)
+        future = state.user_hook(state.user_state, bucket)
+        if not state.measure_noise:
+            return future
+        return future.then(lambda fut: _record_combined(state, fut.value()))
     buffer.mul_(state.weight)
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
+    if state.measure_noise:
+        return work.get_future().then(lambda fut: _record_combined(state, fut.value()[0]))
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _record_combined(state: ShareHookState, reduced: Any) -> Any:
+    """Keep |reduced|² and pass the reduced bucket on unchanged (a hook's future may hold a one-element list)."""
+    tensor = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
+    state.combined_sq.append(_sq_norm(tensor))
+    return reduced
 
 
 # DDP checks the hook's annotations against the real classes; postponed (string) annotations fail that check.

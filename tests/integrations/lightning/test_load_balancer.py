@@ -40,7 +40,8 @@ def _per_epoch(model: DigitsMLP) -> dict[int, list[int]]:
 def test_idle_grows_then_memory_pressure_shrinks_with_lr_rescaled(optimizer: str, rule: str, tmp_path: Path) -> None:
     model = DigitsMLP(batch_size=32, n=256, optimizer=optimizer, lr=0.01)
     probe = ScriptedProbe([IDLE, BAND, FULL], clock=lambda: model.current_epoch)
-    cb = IvyLoadBalancer(probes=[probe], interval=0.05, max_batch_size=128)
+    # goodput=False: one process has no noise-scale estimate (see the test below), the utilisation rules decide
+    cb = IvyLoadBalancer(probes=[probe], interval=0.05, max_batch_size=128, goodput=False)
     trainer = _fit(model, cb, max_epochs=3, logger=CSVLogger(tmp_path / "logs"))
 
     assert [(h["batch_size"], h["next_batch_size"]) for h in cb.history] == [(32, 64), (64, 64), (64, 32)]
@@ -139,6 +140,16 @@ class _Stream(IterableDataset):
         return iter(zip(*digits_dataset(64).tensors, strict=True))
 
 
+def test_one_process_has_no_noise_scale_so_goodput_warns_once_and_does_not_grow() -> None:
+    model = DigitsMLP(batch_size=16, n=64)
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([IDLE])], interval=0.05)
+    with pytest.warns(UserWarning, match="no gradient noise scale estimate: one process") as warned:
+        _fit(model, cb, max_epochs=2)
+    assert sum("noise scale" in str(w.message) for w in warned) == 1
+    assert [h["next_batch_size"] for h in cb.history] == [16, 16]
+    assert all("goodput unknown (one process" in h["reason"] for h in cb.history)
+
+
 def test_iterable_dataset_is_monitored_only() -> None:
     model = DigitsMLP(batch_size=16, n=64)
     model.train_dataloader = lambda: DataLoader(_Stream(), batch_size=16)  # type: ignore[method-assign]
@@ -205,7 +216,7 @@ def test_ivy_ps_async_is_monitored_only() -> None:
 def test_resume_from_a_checkpoint_continues_with_the_saved_batch_size(tmp_path: Path) -> None:
     model = DigitsMLP(batch_size=16, n=128, optimizer="sgd")
     probe = ScriptedProbe([IDLE, BAND], clock=lambda: model.current_epoch)
-    trainer = _fit(model, IvyLoadBalancer(probes=[probe], interval=0.05), max_epochs=1)
+    trainer = _fit(model, IvyLoadBalancer(probes=[probe], interval=0.05, goodput=False), max_epochs=1)
     path = tmp_path / "epoch1.ckpt"
     trainer.save_checkpoint(path)
     lr_saved = trainer.optimizers[0].param_groups[0]["lr"]

@@ -22,6 +22,16 @@ The decisions are ivyplug's framework-free core (:mod:`ivyplug.load`): probes po
   ``lr_scaling="auto"`` is the square-root rule for Adam-family optimizers and LAMB, linear for SGD.
   An optimizer driven by a ``LearningRateSchedule`` has no variable to assign: ``fit`` then stops at
   ``on_train_begin`` with a ``ValueError`` unless ``lr_scaling="none"``.
+* **Growth has to pay** (``goodput=True``, the default): a growth the utilisation and memory rules ask for
+  happens only when the predicted goodput, throughput × statistical efficiency (:mod:`ivyplug.load.goodput`),
+  rises by ``goodput_threshold``. Under ``MirroredStrategy`` the callback wraps the optimizer's
+  ``_all_reduce_sum_gradients`` (the TensorFlow optimizer's one cross-replica gradient sum) to add, inside the
+  compiled step, each replica's |gradient|² before the sum and the summed gradient's after it into
+  ``ON_READ`` variables: no extra tensor leaves a replica, and the callback reads three scalars per epoch.
+  Keras scales each replica's loss by 1/replicas, so a replica's own mean gradient is replicas × its
+  gradient. The throughput side is the median wall seconds per step, of which the ``train_function`` call is
+  taken to scale with B. Where no estimate exists (one replica; several workers, whose per-worker norms this
+  callback does not exchange) B does not grow, with one warning naming why.
 * **Metrics** go into ``logs`` at each epoch end (so into ``History``, TensorBoard and the progress bar):
   ``ivy/batch_size``, ``ivy/lr_factor`` (current LR / LR at the start), ``ivy/utilization``,
   ``ivy/memory_fraction``, ``ivy/oom_count``, ``ivy/callback_overhead`` (this callback's hook time over
@@ -89,18 +99,22 @@ from ivyplug.integrations.keras.micro_batches import MicroBatchStep, unsupported
 from ivyplug.load import (
     DEFAULT_PROBE_NAMES,
     BatchSizePolicy,
+    GoodputEstimate,
     LoadObservation,
+    NoiseScale,
     OutOfMemoryRecoveryError,
     PolicyState,
     Probe,
     Sampler,
     ScriptedProbe,
     Stat,
+    StepCost,
     default_batch_bounds,
     default_probes,
     lr_factor,
     make_probe,
     next_split,
+    noise_components,
     observation_from_summary,
     resolve_rule,
 )
@@ -148,6 +162,13 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             within the data set size); rounded to multiples of the replica count.
         grow_factor, shrink_factor, grow_below_utilization, memory_low, memory_high, cooldown,
             min_relative_change: the :class:`~ivyplug.load.BatchSizePolicy` rules.
+        goodput: grow B only when the predicted goodput (throughput × statistical efficiency from the gradient
+            noise scale) rises by ``goodput_threshold`` (a fraction: 0.05 is 5%); ``False``: utilisation and
+            memory alone decide.
+        min_efficiency: a growth must also keep the statistical efficiency relative to the batch the fit started
+            with at least this high (0.9: at most 1/0.9 times the samples for the same progress), so that a
+            schedule tuned in epochs for that batch does not end less accurate; 0 disables this floor.
+        noise_smoothing: weight of the past in the per-epoch moving averages of |G|² and tr(Σ), in [0, 1).
         policy: a full :class:`~ivyplug.load.BatchSizePolicy` (overrides the bounds and the rules above).
         lr_scaling: ``"auto"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
         log_every_n_steps: add the latest readings to the batch logs every n steps (``None``: epoch logs only).
@@ -184,6 +205,10 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         memory_high: float = 0.9,
         cooldown: int = 1,
         min_relative_change: float = 0.05,
+        goodput: bool = True,
+        goodput_threshold: float = 0.05,
+        min_efficiency: float = 0.9,
+        noise_smoothing: float = 0.5,
         policy: BatchSizePolicy | None = None,
         lr_scaling: str = "auto",
         log_every_n_steps: int | None = None,
@@ -220,6 +245,9 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             "memory_high": memory_high,
             "cooldown": cooldown,
             "min_relative_change": min_relative_change,
+            "goodput": goodput,
+            "goodput_threshold": goodput_threshold,
+            "min_efficiency": min_efficiency,
         }
         bounds = (min_batch_size or 1, max_batch_size or max(min_batch_size or 1, 1))
         BatchSizePolicy(*bounds, **self._policy_args)  # validates every policy argument now
@@ -255,6 +283,20 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         self._iterations = 0  # optimizer iterations after the last completed step (kept without reading it)
         self._own_batches = False  # this fit reads its batches from the ElasticDataset, not Keras's iterator
         self.decisions: list[tuple[int, int, int, str]] = []  # (epoch, old B, new B, reason)
+        self.reasons: list[tuple[int, str]] = []  # (epoch, reason) of every decision, changes and holds
+        self.noise = NoiseScale(smoothing=noise_smoothing)  # validates noise_smoothing
+        self.noise_smoothing = float(noise_smoothing)
+        self.step_costs: list[StepCost] = []  # (B, wall seconds per step, train_function seconds per step)
+        self.goodput_unavailable: str | None = None  # why this fit has no noise-scale estimate
+        self.initial_batch_size: int | None = None  # B when the first fit started (min_efficiency's reference)
+        self.noise_history: list[float | None] = []  # B_noise after each epoch
+        self._noise_vars: tuple[Any, Any, Any] | None = None  # ON_READ sums: R²|g_r|², |G|², steps
+        self._watched: Any = None  # the optimizer whose gradient sum is watched
+        self._noise_batch = 0  # the global batch of the steps summed in _noise_vars
+        self._goodput_warned = False
+        self._step_walls: list[float] = []
+        self._step_calls: list[float] = []
+        self._batch_t = 0.0
         self.epoch_start_positions: dict[int, int] = {}
         self._rule = "none"
         self._pending: list[tuple[int, float]] = []  # (step, LR factor) not applied yet
@@ -274,6 +316,7 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             "min_batch_size": self.min_batch_size,
             "max_batch_size": self.max_batch_size,
             **self._policy_args,
+            "noise_smoothing": self.noise_smoothing,
             "policy": _policy_config(self._user_policy),
             "lr_scaling": self.lr_scaling,
             "log_every_n_steps": self.log_every_n_steps,
@@ -356,6 +399,8 @@ class IvyLoadBalancer(keras.callbacks.Callback):
                     f"strategy has {self._replicas()}: pass model.distribute_strategy to tf_dataset()"
                 )
             batch, position = self._next_start or (self.dataset.batch_size, self.dataset.position_at(0))
+            if self.initial_batch_size is None:
+                self.initial_batch_size = batch
             self.dataset.restart(batch, start_position=position)
             if self.policy is None:
                 self._build_policy()
@@ -363,6 +408,7 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             # the defaults skip a probe whose package is missing (torch_allocator without torch), as Lightning's do
             built = default_probes() if self.probe_specs == list(DEFAULT_PROBES) else map(make_probe, self.probe_specs)
             self.sampler = Sampler(list(built), interval=self.interval)
+        self._watch_gradients()
         if self.dataset is not None and self.oom_recovery:
             self._install_step_guard()
 
@@ -371,6 +417,8 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         self._epoch_t0 = self._last_batch_t = t
         self.epoch = epoch
         self._epoch_ooms = 0
+        self._step_walls = []
+        self._step_calls = []
         if self.dataset is not None:
             self.epoch_start_positions[epoch] = self.dataset.position_at(self.step)
         if self.sampler is not None:
@@ -382,11 +430,20 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         self._chunk_begin = batch
         while self._pending and self._pending[0][0] <= self.step:
             self._apply_lr(self._pending.pop(0)[1])
-        self._hook_s += time.perf_counter() - t
+        if self._noise_vars is not None and self.dataset is not None:
+            batch_now = self.dataset.batch_size_at(self.step)
+            if batch_now != self._noise_batch:  # the sums hold steps of one batch size only
+                self._flush_noise()
+                self._noise_batch = batch_now
+        self._batch_t = time.perf_counter()
+        self._hook_s += self._batch_t - t
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
-        self.step += batch - self._chunk_begin + 1
+        steps = batch - self._chunk_begin + 1
+        self._step_calls.append((t - self._batch_t) / steps)
+        self._step_walls.append((t - self._last_batch_t) / steps)
+        self.step += steps
         n = self.log_every_n_steps
         if n is not None and logs is not None and self.sampler is not None and self.step % n == 0:
             logs.update({f"ivy/{k}": v for k, v in self.sampler.latest().items()})
@@ -404,6 +461,11 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         workers = self._exchange(local)
         observation = _combine(workers)
         metrics: dict[str, float] = {f"ivy/{k}": float(s.mean) for k, s in summary.items()}
+        self._flush_noise()
+        self._record_cost()
+        if self.noise.value is not None:
+            metrics["ivy/noise_scale"] = float(self.noise.value)
+        self.noise_history.append(self.noise.value)
         if self.dataset is not None:
             # An epoch with an OOM shrinks B (the policy ignores its cooldown for that).
             self._decide(epoch, observation)
@@ -488,8 +550,12 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         if not self.adapt_batch_size:
             return
         old = self.dataset.batch_size
-        decision = self.policy.decide(old, observation, self.policy_state)
+        estimate = GoodputEstimate(
+            self.noise.value, tuple(self.step_costs), self.goodput_unavailable, self.initial_batch_size
+        )
+        decision = self.policy.decide(old, observation, self.policy_state, estimate)
         self.policy_state = decision.state
+        self.reasons.append((epoch, decision.reason))
         new = self._round(decision.batch_size)
         if not decision.changed or new == old:
             return
@@ -499,6 +565,103 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         self.dataset.set_batch_size(new, at_step=at)
         self._pending.append((at, lr_factor(old, new, self._rule)))
         self.decisions.append((epoch, old, new, decision.reason))
+
+    # ----------------------------------------------------------------- gradient noise scale
+    def _goodput_on(self) -> bool:
+        return self.policy.goodput if self.policy is not None else bool(self._policy_args["goodput"])
+
+    def _watch_gradients(self) -> None:
+        """Count |per-replica gradient|² and |summed gradient|² in the compiled step (once per optimizer)."""
+        strategy = self.strategy
+        replicas = self._replicas()
+        self.goodput_unavailable = None
+        if replicas == 1:
+            self.goodput_unavailable = "one replica sees its gradient at one batch size only, the noise scale needs two"
+        elif self._workers() > 1:
+            self.goodput_unavailable = (
+                "under MultiWorkerMirroredStrategy the per-worker gradient norms are not exchanged by this callback"
+            )
+        optimizer = _inner_optimizer(self.model)
+        if self.goodput_unavailable is None and not callable(getattr(optimizer, "_all_reduce_sum_gradients", None)):
+            self.goodput_unavailable = (
+                f"{type(optimizer).__name__} has no _all_reduce_sum_gradients (a TensorFlow-backend Keras optimizer "
+                "has), so the per-replica gradients are not visible"
+            )
+        if self.goodput_unavailable is not None:
+            if self.adapt_batch_size and self.dataset is not None and self._goodput_on() and not self._goodput_warned:
+                self._goodput_warned = True
+                warnings.warn(
+                    f"IvyLoadBalancer(goodput=True): no gradient noise scale estimate: {self.goodput_unavailable}; "
+                    "the batch size will not grow (it still shrinks on memory pressure). Pass goodput=False to let "
+                    "utilisation and memory alone decide.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return
+        if self._watched is optimizer:
+            return
+        with strategy.scope():
+            sums = tuple(
+                tf.Variable(
+                    0.0,
+                    trainable=False,
+                    dtype=tf.float32,
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.SUM,
+                    name=f"ivy_noise_{name}",
+                )
+                for name in ("local", "combined", "steps")
+            )
+        local_sum, combined_sum, step_sum = sums
+        original = optimizer._all_reduce_sum_gradients
+
+        def sq_norm(grads: list[Any]) -> Any:
+            return tf.add_n([tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32))) for g in grads])
+
+        def watched(grads_and_vars: Any) -> Any:
+            grads_and_vars = list(grads_and_vars)
+            reduced = original(grads_and_vars)
+            context = tf.distribute.get_replica_context()
+            own = [g for g, _ in grads_and_vars if g is not None]
+            summed = [g for g, _ in reduced if g is not None]
+            if context is not None and own and summed:
+                r = float(context.num_replicas_in_sync)
+                local_sum.assign_add(r * r * sq_norm(own))  # the loss was scaled by 1/r on each replica
+                combined_sum.assign_add(sq_norm(summed))
+                step_sum.assign_add(1.0)
+            return reduced
+
+        optimizer._all_reduce_sum_gradients = watched
+        self._watched = optimizer
+        self._noise_vars = sums
+        self.model.make_train_function(force=True)  # trace the step again, with the watch in it
+        self._noise_batch = self.dataset.batch_size_at(self.step) if self.dataset is not None else 0
+
+    def _flush_noise(self) -> None:
+        """Fold the steps summed since the last flush (all at one batch size) into the noise-scale EMA."""
+        if self._noise_vars is None or self.dataset is None:
+            return
+        local_v, combined_v, steps_v = self._noise_vars
+        replicas = self._replicas()
+        steps = float(steps_v.read_value()) / replicas  # every replica counted each step
+        if steps >= 1:
+            small_sq = float(local_v.read_value()) / (replicas * steps)
+            big_sq = float(combined_v.read_value()) / (replicas * steps)
+            big = self._noise_batch
+            if big > replicas:
+                self.noise.update(*noise_components(small_sq, big / replicas, big_sq, big))
+        for v in self._noise_vars:
+            v.assign(0.0)
+
+    def _record_cost(self) -> None:
+        if self.dataset is None or not self._step_walls or not self._step_calls:
+            return
+        import statistics
+
+        wall = statistics.median(self._step_walls)
+        call = statistics.median(self._step_calls)
+        if wall > 0 and call > 0:
+            self.step_costs = [*self.step_costs, StepCost(self.dataset.batch_size_at(self.step - 1), wall, call)][-8:]
 
     # ----------------------------------------------------------------- out of memory
     def _workers(self) -> int:

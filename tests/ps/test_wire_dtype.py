@@ -257,3 +257,35 @@ def test_over_gloo_the_server_applies_the_bf16_gradient_and_bytes_halve() -> Non
     for key in ("sent", "received"):
         ratio = res["bfloat16"][key] / res["float32"][key]
         assert 0.49 <= ratio <= 0.52, (key, res["bfloat16"][key], res["float32"][key])
+
+
+@pytest.mark.timeout(120)
+def test_against_ivyplug_serve_the_flag_alone_switches_the_wire() -> None:
+    """A serve started without any wire setting answers a bf16 worker in bf16 (the flag is per request)."""
+    from tests.ps.service_harness import serve
+
+    gen = torch.Generator().manual_seed(11)
+    init = torch.randn(50, 40, generator=gen)
+    grads = [torch.randn(50, 40, generator=gen) for _ in range(2)]
+    with serve("--shards", "1", "--workers", "1", "--token", "t0ken") as s:
+        w = nn.Parameter(init.clone())
+        cfg = PSConfig(mode="async", servers=s.address, token="t0ken", wire_dtype="bfloat16", timeout=60.0)
+        client = PSClient.start(cfg, [("w", w)], [], torch.optim.SGD([w], lr=1.0))
+        try:
+            client.pull_initial()
+            got = [w.detach().clone()]
+            for g in grads:
+                w.grad = g.clone()
+                client.step(1)
+                got.append(w.detach().clone())
+            sent = client.metrics()["bytes_sent"]
+        finally:
+            client.close()
+    master = init.numpy().astype(np.float32)
+    expect = [ref_bf16(master)]
+    for g in grads:
+        master = (master - ref_bf16(g.numpy())).astype(np.float32)
+        expect.append(ref_bf16(master))
+    for step, (a, b) in enumerate(zip(got, expect, strict=True)):
+        torch.testing.assert_close(a, torch.from_numpy(b), rtol=0, atol=0, msg=f"pull {step}")
+    assert sent > 0

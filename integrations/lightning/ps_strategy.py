@@ -34,10 +34,13 @@ import torch
 import torch.distributed
 from ivyplug.integrations.lightning import registration
 from ivyplug.integrations.lightning.dispatch_loader import process_async_loader
+from ivyplug.integrations.lightning.elastic_rendezvous import attempt_store
 from ivyplug.integrations.lightning.launchers import CheckedMultiProcessingLauncher, CheckedSubprocessScriptLauncher
 from ivyplug.integrations.lightning.ps_metrics import PSMetricsLogger
 from ivyplug.integrations.lightning.trainer_checks import per_step_collective_problems
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -266,6 +269,21 @@ class IvyPSStrategy(DDPStrategy):
             )
 
     # ------------------------------------------------------------------ setup / teardown
+    @override
+    def setup_distributed(self) -> None:
+        """Lightning's, with a per-attempt store under torchrun, so restarted workers can rejoin the servers."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        store = attempt_store(self.world_size, self._timeout or default_pg_timeout)
+        if store is not None:
+            kwargs["store"] = store
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: gradients travel through the PS."""
 

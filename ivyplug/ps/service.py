@@ -187,8 +187,6 @@ class PSService:
         join: str | None = None,
     ) -> None:
         check_options(num_shards, host, port, token, num_workers, state_dir, snapshot_every)
-        if join is not None and state_dir is not None:
-            raise ValueError("--state-dir is not supported with --join yet (snapshot the first service only)")
         self.num_shards = num_shards
         self.first = 0  # the global index of this service's first shard (a joined service: told by the first)
         #: the services of the job, this one first: address, first shard, shard count (the first service only)
@@ -208,7 +206,6 @@ class PSService:
         self.job: Job | None = None
         self.slots: dict[int, int] = {}  # worker slot -> member number
         self.refused = 0
-        self._warned_snapshot = False
         self._threads: list[threading.Thread] = []
         # the store listens on a socket bound here (given a port, TCPStore alone listens on every interface)
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -226,11 +223,11 @@ class PSService:
         )
         self.services = [{"address": self.address, "first": 0, "count": num_shards}]
         self.join = join
-        if join is not None:
-            self.first = self._register(join)
-        if self.state_dir is not None:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            self._resume()
+        saved = self._read_snapshot()
+        if join is not None:  # a restarted service claims the shards it held before
+            self.first = self._register(join, claim=None if saved is None else int(saved["first"]))
+        if saved is not None:
+            self._resume(saved)
         self._publish()
         for target, name in ((self._accept, "accept"), (self._tick, "status")):
             t = threading.Thread(target=target, name=f"ivyplug-serve-{name}", daemon=True)
@@ -273,15 +270,27 @@ class PSService:
             return sum(x["count"] for x in self.services)
 
     # -- several services for one job -----------------------------------------------------------------
-    def _register(self, primary: str) -> int:
-        """Join the service at ``primary`` as one more holder of the job's shards; returns the first index."""
+    def _register(self, primary: str, claim: int | None = None) -> int:
+        """Join the service at ``primary`` as one more holder of the job's shards; returns the first index.
+
+        ``claim``: the first shard this service held before a restart (from its snapshot): it takes that range
+        back, at its new address, also while the job runs.
+        """
         from ivyplug.ps.config import parse_address
 
         host, port = parse_address(primary, "--join")
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
         n = int(store.add(f"{auth.PREFIX}/services", 1))
-        proof = auth.mac(self.token, b"service", self.address.encode(), str(self.num_shards).encode(), str(n).encode())
-        record = {"address": self.address, "count": self.num_shards, "proof": proof}
+        wanted = -1 if claim is None else claim
+        proof = auth.mac(
+            self.token,
+            b"service",
+            self.address.encode(),
+            str(self.num_shards).encode(),
+            str(n).encode(),
+            str(wanted).encode(),
+        )
+        record = {"address": self.address, "count": self.num_shards, "claim": wanted, "proof": proof}
         store.set(f"{auth.PREFIX}/service/{n}", json.dumps(record))
         key = f"{auth.PREFIX}/service/{n}/verdict"
         try:
@@ -297,18 +306,33 @@ class PSService:
     def _admit_service(self, n: int) -> None:
         """A service asking to hold more of the job's shards (the first service only)."""
         raw = json.loads(bytes(self.store.get(f"{auth.PREFIX}/service/{n}")).decode())
+        claim = raw.get("claim", -1)
         expected = auth.mac(
-            self.token, b"service", str(raw.get("address")).encode(), str(raw.get("count")).encode(), str(n).encode()
+            self.token,
+            b"service",
+            str(raw.get("address")).encode(),
+            str(raw.get("count")).encode(),
+            str(n).encode(),
+            str(claim).encode(),
         )
         reason = None
+        first = -1
         if not hmac.compare_digest(str(raw.get("proof", "")), expected):
             reason = "wrong token"
         elif not isinstance(raw.get("count"), int) or raw["count"] < 1:
             reason = "a shard count must be an int >= 1"
+        elif not isinstance(claim, int):
+            reason = "a claimed first shard must be an int"
         with self._lock:
-            if reason is None and self.job is not None:
+            held = [x for x in self.services[1:] if x["first"] == claim and x["count"] == raw.get("count")]
+            if reason is None and claim >= 0 and held:  # a restarted holder takes its shards back
+                held[0]["address"] = raw["address"]
+                first = claim
+            elif reason is None and claim >= 0:
+                reason = f"this job has no shards {claim}..{claim + raw['count'] - 1} held by another service"
+            elif reason is None and self.job is not None:
                 reason = "the job's shards are placed already (start every service before the first worker)"
-            if reason is None:
+            elif reason is None:
                 first = sum(x["count"] for x in self.services)
                 self.services.append({"address": raw["address"], "first": first, "count": raw["count"]})
         verdict = {"ok": False, "reason": reason} if reason else {"ok": True, "first": first}
@@ -504,20 +528,25 @@ class PSService:
 
     # -- snapshots and status -----------------------------------------------------------------------
     def snapshot(self) -> Path | None:
-        """Write the job and every shard's state to ``state_dir`` (atomically, one file); its path."""
+        """Write the job and this service's shards to ``state_dir`` (atomically, one file); its path.
+
+        A job on several services: each snapshots its own shards (the first one also the list of services);
+        the snapshots are taken independently, so after a restart of several services their shards may be
+        from moments up to one interval apart.
+        """
         job = self.job
         if self.state_dir is None or job is None:
             return None
-        if self.total_shards() != self.num_shards:
-            if not self._warned_snapshot:
-                self._warned_snapshot = True
-                self.log("ivyplug serve: a job on several services is not snapshotted (not supported yet)")
-            return None
+        with self._lock:
+            services = [dict(x) for x in self.services] if self.join is None else []
         blob = typed_state.encode(
             {
                 "job": job.description,
                 "num_workers": job.num_workers,
                 "num_shards": self.num_shards,
+                "first": self.first,
+                "total_shards": job.plan.num_shards,
+                "services": json.dumps(services),
                 "shards": [bytes_to_words(job.shards[s].state()) for s in sorted(job.shards)],
             }
         )
@@ -527,20 +556,35 @@ class PSService:
         os.replace(tmp, path)
         return path
 
-    def _resume(self) -> None:
-        assert self.state_dir is not None
+    def _read_snapshot(self) -> dict[str, Any] | None:
+        """The last snapshot in ``state_dir`` (checked against this service's options), or None."""
+        if self.state_dir is None:
+            return None
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / JOB_FILE
         if not path.exists():
-            return
+            return None
         saved = typed_state.decode(path.read_bytes())
         if saved["num_shards"] != self.num_shards:
             raise ValueError(
                 f"{path} holds {saved['num_shards']} shards; start ivyplug serve with --shards {saved['num_shards']} "
                 "(or another --state-dir)"
             )
-        job = self._build(saved["job"], int(saved["num_workers"]), None)
-        for s, words in enumerate(saved["shards"]):
-            job.shards[s].load(load_state_bytes(words_to_bytes(words, words.numel() * 4)))
+        joined = int(saved.get("first", 0)) > 0 or not json.loads(saved.get("services", "[{}]"))
+        if joined != (self.join is not None):
+            was = "with --join (a later service of a job)" if joined else "as the first service of its job"
+            raise ValueError(f"{path} was written by an ivyplug serve started {was}; start this one the same way")
+        return saved
+
+    def _resume(self, saved: dict[str, Any]) -> None:
+        total = int(saved.get("total_shards", self.num_shards))
+        services = json.loads(saved.get("services", "[]"))
+        if self.join is None and services:  # the other services of the job, at their last known addresses
+            with self._lock:
+                self.services = [self.services[0], *services[1:]]
+        job = self._build(saved["job"], int(saved["num_workers"]), None, total)
+        for i, words in enumerate(saved["shards"]):
+            job.shards[self.first + i].load(load_state_bytes(words_to_bytes(words, words.numel() * 4)))
         self.job = job
 
     def _tick(self) -> None:

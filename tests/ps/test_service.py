@@ -186,3 +186,32 @@ def test_two_services_hold_the_shards_of_one_job_behind_one_address(tmp_path: Pa
                 assert r["num_shards"] == 3 and r["metrics"]["pushes"] == 30
                 assert r["end_loss"] < 0.5 * 0.7
             assert second.log().count("joined") == 2 and first.log().count("joined") == 2
+
+
+def test_several_services_snapshot_their_own_shards_and_resume_together(tmp_path: Path) -> None:
+    """Each service writes its shards; restarted (the later one at a new port), they serve the trained job."""
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    snap = ("--snapshot-every", "0.3", "--token", "t")
+    with serve("--shards", "1", "--workers", "1", "--state-dir", str(first_dir), *snap) as first:
+        with serve("--shards", "2", "--join", first.address, "--state-dir", str(second_dir), *snap) as second:
+            with workers(tmp_path) as w:
+                trained = w.start(first.address, "trained", "--steps", "30", "--token", "t")
+                ((rc, text),) = w.wait()
+                assert rc == 0, text + first.log() + second.log()
+            time.sleep(1.0)  # a snapshot after the last push
+            assert (first_dir / "job.ivys").exists() and (second_dir / "job.ivys").exists()
+        address = first.address
+    assert result(trained)["end_loss"] < 0.5 * 0.7
+    port = address.rsplit(":", 1)[1]
+    with serve("--shards", "1", "--workers", "1", "--state-dir", str(first_dir), *snap, port=port) as first:
+        assert "resumed at version" in first.wait_for("listening on")
+        with serve("--shards", "2", "--join", first.address, "--state-dir", str(second_dir), *snap) as second:
+            assert "resumed at version" in second.wait_for("listening on")
+            first.wait_for("holds shards 1..2")  # the restarted holder took its shards back, at its new address
+            with workers(tmp_path) as w:
+                again = w.start(first.address, "again", "--steps", "1", "--token", "t")
+                ((rc, text),) = w.wait()
+                assert rc == 0, text + first.log() + second.log()
+    r = result(again)
+    assert r["created"] is False and r["num_shards"] == 3
+    assert r["start_loss"] < 0.5 * 0.7  # every shard's trained state: a fresh model starts near 0.7

@@ -45,23 +45,29 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comp
 
 @pytest.mark.timeout(280)
 def test_quick_demo_prints_table_for_every_run(quick_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
-    result, _ = quick_run
+    result, out_dir = quick_run
     assert result.returncode == 0, result.stdout[-4000:]
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("run ") and "wall s" in line)
-    for column in ("wall s", "samples/s", "val acc"):
+    for column in ("to 0.", "val acc", "vs ddp", "wall s", "samples/s", "samples w0/w1"):
         assert column in lines[header]
+    assert "LAMB lr 0.05 (cosine over 2 epochs) in every run" in result.stdout  # like with like
     rows = lines[header + 1 : header + 1 + len(demo.RUN_NAMES)]
-    labels = ("ddp + AdamW", "ivy_ps sync + LAMB + IvyLoadBalancer", "ivy_ps async + LAMB")
-    for row, label in zip(rows, labels, strict=True):
+    for row, label in zip(rows, demo.RUN_LABELS, strict=True):
         assert row.startswith(label), row
-        wall, samples_per_s, acc = (float(v) for v in row[len(label) :].split()[:3])
-        assert wall > 0 and samples_per_s > 0 and 0.0 <= acc <= 1.0
+        cells = row[len(label) :].split()
+        reached = None if cells[0] == "never" else float(cells[0])
+        cells = cells[1:] if reached is None else cells[2:]  # "1.2 s" or "never"
+        acc, delta, wall, samples_per_s = float(cells[0]), cells[1], float(cells[2]), float(cells[3])
+        assert 0.0 <= acc <= 1.0 and wall > 0 and samples_per_s > 0
+        if label == "ddp":  # the target is DDP's own final accuracy: it reaches it, at its last epoch or earlier
+            assert reached is not None and reached <= wall and delta == "+0.00"
     # progress while it ran: one line per epoch and run
     assert sum("epoch " in line and "val_acc=" in line for line in lines) == 2 * len(demo.RUN_NAMES)
     assert sum("workers connected" in line for line in lines) == len(demo.RUN_NAMES)
     assert "no IvyLoadBalancer: under async" in result.stdout
     assert "last fitted step compute time t(b) = a + c*b: w0 " in result.stdout
+    assert "wrote the accuracy-against-time plot to " in result.stdout and str(out_dir.resolve()) in result.stdout
 
 
 @pytest.mark.timeout(280)
@@ -83,6 +89,9 @@ def test_quick_demo_writes_png_and_json(quick_run: tuple[subprocess.CompletedPro
         assert len(times) == data["epochs"] and times == sorted(times) and times[-1] <= r["fit_seconds"]
         assert r["samples_per_s"] == pytest.approx(r["epochs"] * r["train_samples"] / r["fit_seconds"])
     assert runs["ivy_ps_sync_lb"]["balancer"] and all(sum(s) == 512 for s in runs["ivy_ps_sync_lb"]["shares"])
+    assert {(r["optimizer"], r["lr"], r["schedule"]) for r in runs.values()} == {("lamb", 0.05, "cosine over 2 epochs")}
+    summary = data["summary"]
+    assert summary["target_acc"] == runs["ddp"]["val_acc"] and summary["acc_vs_ddp"]["ddp"] == 0.0
     models = runs["ivy_ps_sync_lb"]["step_models"]  # per epoch, per worker: the fitted [a seconds, c seconds/sample]
     assert len(models) == data["epochs"] and all(len(m) == 2 and all(a >= 0 < c for a, c in m) for m in models)
     assert not runs["ivy_ps_async"]["balancer"]
@@ -121,5 +130,25 @@ def test_command_module_imports_no_framework() -> None:
     from ivyplug.integrations.lightning import demo_job
 
     assert tuple(demo_job.RUNS) == demo.RUN_NAMES
+    assert tuple(spec.label for spec in demo_job.RUNS.values()) == demo.RUN_LABELS
     assert demo.PROGRESS_PREFIX == demo_job.PROGRESS_PREFIX
     assert all(name == spec.name for name, spec in demo_job.RUNS.items())
+
+
+def test_progress_bar_advances_per_epoch_line() -> None:
+    """The rich bar a terminal gets: each run's epochs as they are validated (the quick run above is not a tty)."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    with demo.BarProgress(epochs=3, console=console) as bar:
+        bar.show("[ddp] workers connected, training 3 epochs", 0.5)
+        bar.show("[ddp] epoch 1/3  t=   1.0s  val_acc=0.9100", 1.0)
+        bar.show("[ddp] epoch 2/3  t=   2.0s  val_acc=0.9500", 2.0)
+        bar.show("[ivy_ps async] epoch 1/3  t=   1.0s  val_acc=0.9000", 3.0)
+        bar.show("something else", 3.5)
+    tasks = {t.description: t for t in bar.progress.tasks}
+    assert tasks["ddp"].completed == 2 and tasks["ivy_ps async"].completed == 1
+    assert tasks["ivy_ps sync + IvyLoadBalancer"].completed == 0 and tasks["ddp"].fields["acc"] == "val acc 0.9500"
+    assert "something else" in console.file.getvalue()

@@ -598,8 +598,9 @@ class IvyLoadBalancer(keras.callbacks.Callback):
                     stacklevel=3,
                 )
             return
-        if self._watched is optimizer:
-            return
+        used = self.adapt_batch_size and self.dataset is not None and self._goodput_on()
+        if self._watched is optimizer or not used:
+            return  # the watch costs two squared norms per step: only where the goodput rule uses them
         with strategy.scope():
             sums = tuple(
                 tf.Variable(

@@ -345,7 +345,8 @@ class IvyLoadBalancer(Callback):
             self._hook_state = ShareHookState(
                 world_size=self._world, process_group=model.process_group, user_hook=user_hook, user_state=user_state
             )
-            self._hook_state.measure_noise = self._world > 1
+            # two squared norms per bucket and step: paid only where the goodput rule uses them
+            self._hook_state.measure_noise = self._world > 1 and self.adapt_batch_size and self._goodput_on()
             try:
                 model.register_comm_hook(self._hook_state, share_weighted_hook)
             except RuntimeError as exc:

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 TARGET = 0.97
-EPOCHS = 12
+EPOCHS = {"ddp": 12, "ivy_ps_sync": 12}
 FITS = ("ddp/none", "ddp/goodput", "ddp/utilisation", "ivy_ps_sync/none", "ivy_ps_sync/goodput")
 TRAIN = 1024  # 16 steps of 64; the other 773 samples validate (1 sample = 0.13 points)
 
@@ -42,8 +42,9 @@ def _job(out: Path) -> None:
     train, val = TensorDataset(xt[:TRAIN], yt[:TRAIN]), TensorDataset(xt[TRAIN:], yt[TRAIN:])
 
     class Digits(pl.LightningModule):
-        def __init__(self) -> None:
+        def __init__(self, epochs: int) -> None:
             super().__init__()
+            self.epochs = epochs
             torch.manual_seed(0)
             self.net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
             self.curve: list[dict[str, float]] = []
@@ -70,7 +71,7 @@ def _job(out: Path) -> None:
 
         def configure_optimizers(self) -> Any:
             optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)  # annealed: the last epochs settle
-            return [optimizer], [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=EPOCHS)]
+            return [optimizer], [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.epochs)]
 
     idle = {"cpu_util": 20.0, "mem_used": 3.0, "mem_total": 10.0}
     for fit in FITS:
@@ -86,12 +87,12 @@ def _job(out: Path) -> None:
         if balancer != "none":
             cb = IvyLoadBalancer(probes=[ScriptedProbe([idle])], interval=0.05, goodput=balancer == "goodput")
             callbacks.append(cb)
-        model = Digits()
+        model = Digits(EPOCHS[strategy_name])
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
             strategy=strategy,
-            max_epochs=EPOCHS,
+            max_epochs=EPOCHS[strategy_name],
             callbacks=callbacks,
             logger=False,
             enable_checkpointing=False,
@@ -175,7 +176,7 @@ def test_goodput_balancer_is_not_slower_and_as_accurate(fits: dict[str, dict], s
     else:  # DDP: both gradients are seen; the noise scale grows as the loss falls (McCandlish et al.)
         assert balanced["goodput_unavailable"] is None
         known = [h["noise_scale"] for h in balanced["history"] if h["noise_scale"] is not None]
-        assert len(known) >= EPOCHS - 2 and all(n > 0 for n in known) and known[-1] > 2 * known[0], known
+        assert len(known) >= EPOCHS["ddp"] - 2 and all(n > 0 for n in known) and known[-1] > 2 * known[0], known
 
 
 @pytest.mark.slow

@@ -102,11 +102,11 @@ def summarise(runs: list[dict[str, Any]]) -> None:
 
 
 def run(quick: bool = False, select: dict[str, list[str]] | None = None) -> dict[str, Any]:
-    """Quick: digits on the training set once, 2 epochs, no slow worker, DDP and H=4 average in bf16 (a smoke
+    """Quick: digits on the training set once, 1 epoch, no slow worker, DDP and H=4 average in bf16 (a smoke
     run, not a measurement)."""
     if quick:
         jobs = [("digits", 1.0, ["ddp", "avg/4/average/bfloat16"])]
-        epochs, repeat, timeout = 2, 1, 600.0
+        epochs, repeat, timeout = 1, 1, 600.0
     else:
         jobs = _grid(select or {})
         epochs, repeat, timeout = EPOCHS, None, 7200.0

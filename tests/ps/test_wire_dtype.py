@@ -1,6 +1,6 @@
 """``wire_dtype="bfloat16"``: the codec against an integer-arithmetic bf16 reference, the option's refusals,
 error feedback on deltas (its bound, and the control without it), the overflow rule, and a real gloo wire
-(a dedicated server process) where the servers apply exactly the bf16-rounded gradient and bytes halve.
+(an ivyplug serve) where the servers apply exactly the bf16-rounded gradient and bytes halve.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from ivyplug.optim import LocalUpdates
 from ivyplug.ps import PSClient, PSConfig
 from ivyplug.ps.client import PSNonFiniteError
 from ivyplug.ps.wire_codec import BF16_OVERFLOW, Bf16Codec
-from tests.ps.harness import run_workers
 
 MANUAL = 10**6  # sync_every: the tests call exchange() themselves
 
@@ -194,98 +193,57 @@ def test_a_finite_gradient_beyond_bf16s_range_counts_as_nonfinite() -> None:
             client.close()
 
 
-# -- a real wire: two co-located workers, rank 0 pushes to its own shard in-process, to rank 1's over gloo --
-def _wire_job(rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    gen = torch.Generator().manual_seed(7)
-    init = [torch.randn(100, 60, generator=gen) for _ in range(2)]
-    grads = [[torch.randn(100, 60, generator=gen) for _ in range(2)] for _ in range(3)]
-    for wire in ("float32", "bfloat16"):
-        ws = [nn.Parameter(t.clone()) for t in init]
-        counter = torch.tensor([2**40 + 3], dtype=torch.int64)  # an integer buffer: must travel exactly
-        opt = torch.optim.SGD(ws, lr=1.0)
-        cfg = PSConfig(mode="async", wire_dtype=wire, max_shard_bytes=None, timeout=60.0)
-        client = PSClient.start(cfg, [("a", ws[0]), ("b", ws[1])], [("counter", counter)], opt)
-        try:
-            if rank == 0:
-                client.pull_initial()
-                before = client.metrics()
-                pulled = [[w.detach().clone() for w in ws]]
-                for g in grads:
-                    for w, gw in zip(ws, g, strict=True):
-                        w.grad = gw.clone()
-                    client.step(1)
-                    pulled.append([w.detach().clone() for w in ws])
-                after = client.metrics()
-                remote = [i for i in range(2) if any(p.index == i for p in client.plan.pieces[1])]
-                out[wire] = {
-                    "pulled": pulled,
-                    "counter": int(counter),
-                    "remote": remote,
-                    "sent": after["bytes_sent"] - before["bytes_sent"],
-                    "received": after["bytes_received"] - before["bytes_received"],
-                }
-        finally:
-            client.close()
-    out["init"], out["grads"] = init, grads
-    return out
+# -- a real wire: a worker of this process against ivyplug serve ------------------------------------------
+def _serve_run(address: str, wire: str, init: torch.Tensor, grads: list[torch.Tensor]) -> dict[str, Any]:
+    """Join the serve, pull, push ``grads`` (SGD lr 1 on the server); the pulls, the buffer and the traffic."""
+    w = nn.Parameter(init.clone())
+    counter = torch.tensor([2**40 + 3], dtype=torch.int64)  # an integer buffer: must travel exactly
+    cfg = PSConfig(mode="async", servers=address, token="t0ken", wire_dtype=wire, timeout=60.0)
+    client = PSClient.start(cfg, [("w", w)], [("counter", counter)], torch.optim.SGD([w], lr=1.0))
+    try:
+        client.pull_initial()
+        before = client.metrics()
+        pulled = [w.detach().clone()]
+        for g in grads:
+            w.grad = g.clone()
+            client.step(1)
+            pulled.append(w.detach().clone())
+        after = client.metrics()
+    finally:
+        client.close()
+    traffic = {k: after[k] - before[k] for k in ("bytes_sent", "bytes_received")}
+    return {"pulled": pulled, "counter": int(counter), "traffic": traffic}
 
 
 @pytest.mark.timeout(120)
-def test_over_gloo_the_server_applies_the_bf16_gradient_and_bytes_halve() -> None:
-    res, _ = run_workers(_wire_job, 2, timeout=100)
-    for wire in ("float32", "bfloat16"):
-        assert res[wire]["remote"] in ([0], [1]), res[wire]["remote"]  # one tensor on each shard
-        remote = res[wire]["remote"][0]
-        for i in range(2):
-            # reference: the shard's fp32 master steps by the gradient it received; a pull returns the master,
-            # both in bf16 where they crossed the wire (the remote shard with wire_dtype="bfloat16")
-            wired = wire == "bfloat16" and i == remote
-            cast = ref_bf16 if wired else (lambda x: np.asarray(x, dtype=np.float32))
-            master = res["init"][i].numpy().astype(np.float32)
-            expect = [cast(master)]
-            for g in res["grads"]:
-                master = (master - cast(g[i].numpy())).astype(np.float32)
-                expect.append(cast(master))
-            for step, want in enumerate(expect):
-                got = res[wire]["pulled"][step][i]
-                torch.testing.assert_close(got, torch.from_numpy(want), rtol=0, atol=0, msg=f"{wire} {i} {step}")
-        assert res[wire]["counter"] == 2**40 + 3
-    # the control: the tensor behind the wire ends elsewhere than in fp32
-    r = res["bfloat16"]["remote"][0]
-    assert not torch.equal(res["bfloat16"]["pulled"][-1][r], res["float32"]["pulled"][-1][r])
-    for key in ("sent", "received"):
-        ratio = res["bfloat16"][key] / res["float32"][key]
-        assert 0.49 <= ratio <= 0.52, (key, res["bfloat16"][key], res["float32"][key])
-
-
-@pytest.mark.timeout(120)
-def test_against_ivyplug_serve_the_flag_alone_switches_the_wire() -> None:
-    """A serve started without any wire setting answers a bf16 worker in bf16 (the flag is per request)."""
+def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_halve() -> None:
+    """A serve started without any wire setting (the flag is per request): an fp32 worker, then a bf16 worker
+    of the same job continuing from the servers' state; the servers' fp32 master steps by exactly the bf16
+    gradient, each pull is exactly its bf16 rounding, the integer buffer is exact, and the traffic halves."""
     from tests.ps.service_harness import serve
 
     gen = torch.Generator().manual_seed(11)
-    init = torch.randn(50, 40, generator=gen)
-    grads = [torch.randn(50, 40, generator=gen) for _ in range(2)]
+    init = torch.randn(200, 100, generator=gen)
+    grads32 = [torch.randn(200, 100, generator=gen) for _ in range(2)]
+    grads16 = [torch.randn(200, 100, generator=gen) for _ in range(2)]
     with serve("--shards", "1", "--workers", "1", "--token", "t0ken") as s:
-        w = nn.Parameter(init.clone())
-        cfg = PSConfig(mode="async", servers=s.address, token="t0ken", wire_dtype="bfloat16", timeout=60.0)
-        client = PSClient.start(cfg, [("w", w)], [], torch.optim.SGD([w], lr=1.0))
-        try:
-            client.pull_initial()
-            got = [w.detach().clone()]
-            for g in grads:
-                w.grad = g.clone()
-                client.step(1)
-                got.append(w.detach().clone())
-            sent = client.metrics()["bytes_sent"]
-        finally:
-            client.close()
+        r32 = _serve_run(s.address, "float32", init, grads32)
+        r16 = _serve_run(s.address, "bfloat16", torch.zeros_like(init), grads16)  # continues the job
     master = init.numpy().astype(np.float32)
-    expect = [ref_bf16(master)]
-    for g in grads:
+    expect32 = [master]
+    for g in grads32:
+        master = (master - g.numpy()).astype(np.float32)
+        expect32.append(master)
+    expect16 = [ref_bf16(master)]
+    for g in grads16:
         master = (master - ref_bf16(g.numpy())).astype(np.float32)
-        expect.append(ref_bf16(master))
-    for step, (a, b) in enumerate(zip(got, expect, strict=True)):
-        torch.testing.assert_close(a, torch.from_numpy(b), rtol=0, atol=0, msg=f"pull {step}")
-    assert sent > 0
+        expect16.append(ref_bf16(master))
+    for run, expect in ((r32, expect32), (r16, expect16)):
+        for step, (got, want) in enumerate(zip(run["pulled"], expect, strict=True)):
+            torch.testing.assert_close(got, torch.from_numpy(want), rtol=0, atol=0, msg=f"pull {step}")
+        assert run["counter"] == 2**40 + 3
+    # the control: the same fp32 steps through the bf16 wire would not give the fp32 pulls
+    assert not torch.equal(torch.from_numpy(ref_bf16(expect32[-1])), r32["pulled"][-1])
+    for key in ("bytes_sent", "bytes_received"):
+        ratio = r16["traffic"][key] / r32["traffic"][key]
+        assert 0.49 <= ratio <= 0.52, (key, r16["traffic"], r32["traffic"])

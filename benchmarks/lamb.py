@@ -20,6 +20,9 @@ Why it is built this way:
   core counts compare.
 * ``os.getloadavg()`` is recorded before and after each part: a load above the core count means the numbers are
   inflated by other processes.
+* The CPU kernel's passes over the large tensors are timed one by one inside its sequence, and other orders of
+  the same torch operations (:data:`SEQUENCES`) as whole steps next to fused AdamW: what the kernel's own order
+  costs against the alternatives, and what the all-or-nothing gradient check costs.
 
 timm's and torch-optimizer's ``Lamb`` are measured only when importable (they are not ivyplug dependencies).
 """
@@ -287,7 +290,112 @@ def _pass_breakdown(total: int, n_tensors: int, rounds: int) -> dict[str, Any]:
         "ns_per_element": ns,
         "passes_ns_per_element": passes,
         "passes_vs_fused_adamw": passes / ns["AdamW fused=True"],
+        "sequences": _sequences(weights, grads, exp_avgs, exp_avg_sqs, steps, adamw, rounds),
     }
+
+
+#: Orders of torch operations for the large tensors' LAMB step (name -> what it runs), timed as whole steps next
+#: to fused AdamW by ``_sequences``: the kernel's own and the alternatives it was measured against.
+SEQUENCES = {
+    "kernel": "gradient pass; per tensor: copy x, ‖x‖, fused moments into the copy, ‖u‖, update x",
+    "fused moments on x": "gradient pass; per tensor: copy x aside, ‖x‖, fused moments into x itself, ‖u‖, "
+    "x = copy − step",
+    "zeroed direction": "gradient pass; per tensor: zero the scratch, fused moments into it (d), ‖x‖, ⟨x, d⟩, ‖d‖ "
+    "(‖u‖ from the three), lerp x",
+    "no gradient pass": "per tensor: copy x as x + 0·g, then as the kernel; no all-or-nothing skip (reference only: "
+    "a NaN is seen only when its tensor comes)",
+}
+
+
+def _sequences(
+    weights: list[Any],
+    grads: list[Any],
+    exp_avgs: list[Any],
+    exp_avg_sqs: list[Any],
+    steps: list[Any],
+    adamw: Any,
+    rounds: int,
+) -> dict[str, Any]:
+    """Each of :data:`SEQUENCES` as a whole step over the large tensors, interleaved with fused AdamW's step on
+    their twins; medians (ms) and ratios to AdamW from the same rounds. The step sizes are tiny, so the tensors
+    stay as they are for every sequence."""
+    import math
+
+    import torch
+
+    from ivyplug.optim.functional import _fused_adam_direction, trust_ratio
+
+    decay, lr = 0.01, 1e-9
+    scratch = torch.empty(max(w.numel() for w in weights))
+    aside = torch.empty_like(scratch)
+    dot = torch.dot
+
+    def grad_pass() -> bool:
+        return math.isfinite(math.fsum(dot(g.view(-1), g.view(-1)).item() for g in grads))
+
+    def fused(u: Any, i: int, kernel_lr: float) -> None:
+        _fused_adam_direction([u], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]], [steps[i]], beta1=0.9,
+                              beta2=0.999, eps=1e-6, lr=kernel_lr)  # fmt: skip
+
+    def kernel(pre_pass: bool = True) -> None:
+        if pre_pass and not grad_pass():
+            return
+        for i, w in enumerate(weights):
+            u_flat = scratch[: w.numel()]
+            u = u_flat.view(w.shape)
+            if pre_pass:
+                u.copy_(w)
+            else:
+                torch.add(w, grads[i], alpha=0.0, out=u)
+            x_sq = dot(u_flat, u_flat).item()
+            fused(u, i, -1.0 / decay)
+            r = trust_ratio(math.sqrt(x_sq), decay * math.sqrt(dot(u_flat, u_flat).item()), 0.0, 10.0)
+            w.add_(u, alpha=-lr * r * decay)
+
+    def fused_on_x() -> None:
+        if not grad_pass():
+            return
+        for i, w in enumerate(weights):
+            kept_flat = aside[: w.numel()]
+            kept_flat.view(w.shape).copy_(w)
+            x_sq = dot(kept_flat, kept_flat).item()
+            fused(w, i, -1.0 / decay)  # w holds u/λ now
+            w_flat = w.view(-1)
+            r = trust_ratio(math.sqrt(x_sq), decay * math.sqrt(dot(w_flat, w_flat).item()), 0.0, 10.0)
+            torch.add(kept_flat.view(w.shape), w, alpha=-lr * r * decay, out=w)
+
+    def zeroed_direction() -> None:
+        if not grad_pass():
+            return
+        for i, w in enumerate(weights):
+            d_flat = scratch[: w.numel()]
+            d_flat.zero_()
+            fused(d_flat.view(w.shape), i, 1.0 / decay)  # holds -d/λ
+            w_flat = w.view(-1)
+            x_sq, x_d, d_sq = dot(w_flat, w_flat).item(), dot(w_flat, d_flat).item(), dot(d_flat, d_flat).item()
+            u_norm = decay * math.sqrt(max(x_sq - 2.0 * x_d + d_sq, 0.0))  # ‖λx + d‖ = λ‖x − (−d/λ)‖
+            r = trust_ratio(math.sqrt(x_sq), u_norm, 0.0, 10.0)
+            w.lerp_(d_flat.view(w.shape), lr * r * decay)
+
+    runs = {
+        "kernel": kernel,
+        "fused moments on x": fused_on_x,
+        "zeroed direction": zeroed_direction,
+        "no gradient pass": lambda: kernel(pre_pass=False),
+    }
+    names = ["AdamW fused=True", *runs]
+    run_of = {"AdamW fused=True": adamw.step, **runs}
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.perf_counter
+    for r in range(rounds + 2):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            t0 = clock()
+            run_of[name]()
+            if r >= 2:
+                samples[name].append(clock() - t0)
+    ms = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+    return {"median_ms": ms, "vs_fused_adamw": {name: ms[name] / ms["AdamW fused=True"] for name in names}}
 
 
 def _child(config: dict[str, Any]) -> dict[str, Any]:
@@ -477,6 +585,18 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append("|" + "---:|" * (len(names) + 1))
         cells = [f"{b['ns_per_element'][name]:.3f}" for name in names]
         lines.append("| " + " | ".join(cells) + f" | {b['passes_vs_fused_adamw']:.2f} |")
+        seq = b["sequences"]
+        lines.append("")
+        lines.append(
+            "**orders of operations for those tensors**, whole steps interleaved with fused AdamW's "
+            f"(median of {b['rounds']} rounds):"
+        )
+        lines.append("")
+        lines.append("| sequence | median ms | × fused AdamW | what it runs |")
+        lines.append("|---|---:|---:|---|")
+        for name, ms in seq["median_ms"].items():
+            what = SEQUENCES.get(name, "torch's fused AdamW kernel over all of them")
+            lines.append(f"| {name} | {ms:.2f} | {seq['vs_fused_adamw'][name]:.2f} | {what} |")
     t = results["targets"]
     lines.append("")
     for setting, p in t["per_setting"].items():

@@ -54,6 +54,10 @@ def test_quick_run_reports_every_contender_for_both_allocators(monkeypatch: pyte
         breakdown = child["pass_breakdown"]
         assert set(breakdown["ns_per_element"]) == {*bench.PASSES, "AdamW fused=True"}
         assert breakdown["size"] == "tiny" and breakdown["passes_vs_fused_adamw"] > 0
+        sequences = breakdown["sequences"]
+        assert set(sequences["median_ms"]) == {"AdamW fused=True", *bench.SEQUENCES}
+        assert sequences["vs_fused_adamw"]["AdamW fused=True"] == 1.0
+        assert all(v > 0 and math.isfinite(v) for v in sequences["vs_fused_adamw"].values())
     targets = results["targets"]
     assert set(targets["per_setting"]) == {"default", "glibc_raised"}
     for per in targets["per_setting"].values():
@@ -61,7 +65,7 @@ def test_quick_run_reports_every_contender_for_both_allocators(monkeypatch: pyte
     assert "keras" not in results
     table = bench.format_table(results)
     assert "| optimizer |" in table and "glibc_raised" in table and "targets at tiny (default)" in table
-    assert "passes of the CPU kernel" in table
+    assert "passes of the CPU kernel" in table and "orders of operations" in table
     assert BENCHMARKS["lamb"] == "ivyplug.benchmarks.lamb"
 
 

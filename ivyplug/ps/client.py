@@ -146,17 +146,19 @@ class PSClient:
         self.layout = FlatLayout(self.plan, named_params, named_buffers)
         self.workers = WorkerGroup(rank, world_size, cfg.timeout)
         self._check_same_model()
-        args = (cfg, self.plan, self.spec, self.layout, rank, world_size, self.workers, self.stop, self.m.wire)
+        job = topology.Job(
+            cfg, self.plan, self.spec, self.layout, rank, world_size, self.workers, self.stop, self.m.wire
+        )
         if link is not None:
             try:
-                self.topo = topology.external(*args, link)
+                self.topo = topology.external(job, link)
             except BaseException:
                 service_link.close(link)
                 raise
         elif cfg.num_servers > 0:
-            self.topo = topology.dedicated(*args)
+            self.topo = topology.dedicated(job)
         else:
-            self.topo = topology.colocated(*args)
+            self.topo = topology.colocated(job)
         if cfg.wire_dtype == "bfloat16":  # shards across the wire: pushes and pulls in bf16 (wire_codec.py)
             for s, ep in self.topo.endpoints.items():
                 if isinstance(ep, WireEndpoint):

@@ -38,6 +38,21 @@ from ivyplug.ps.transport import Channel
 from ivyplug.ps.worker_group import WorkerGroup
 
 
+@dataclass(frozen=True)
+class Job:
+    """What every topology builder needs of the worker's side of the job."""
+
+    cfg: PSConfig
+    plan: ShardPlan
+    spec: OptimizerSpec
+    layout: FlatLayout
+    rank: int
+    world_size: int
+    workers: WorkerGroup
+    stop: threading.Event
+    stats: WireStats
+
+
 @dataclass
 class Topology:
     """What a worker holds of the PS: endpoints per shard and what it runs itself."""
@@ -57,24 +72,16 @@ class Topology:
     others: list[ServiceLink] = field(default_factory=list)  # further services holding shards of the job
 
 
-def colocated(
-    cfg: PSConfig,
-    plan: ShardPlan,
-    spec: OptimizerSpec,
-    layout: FlatLayout,
-    rank: int,
-    world_size: int,
-    workers: WorkerGroup,
-    stop: threading.Event,
-    stats: WireStats,
-) -> Topology:
+def colocated(job: Job) -> Topology:
+    cfg, plan, layout, workers, stats = job.cfg, job.plan, job.layout, job.workers, job.stats
+    rank, world_size = job.rank, job.world_size
     channel = None
     if world_size > 1:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout))
         channel = Channel(group, rank, cfg.timeout)
     full = layout.flat_local()
     workers.broadcast(full, "rank 0's parameters")
-    local = Shard(rank, plan, cfg, world_size, spec, layout.shard_values(full, rank))
+    local = Shard(rank, plan, cfg, world_size, job.spec, layout.shard_values(full, rank))
     # the own shard first: a step collects its reply first, so a wait that times out is the one that can
     # say what it waits for, before any wire receive times out (gloo closes a pair whose receive timed out)
     endpoints: dict[int, ShardEndpoint] = {}
@@ -90,7 +97,7 @@ def colocated(
     topo.queue = BatchQueue(world_size) if rank == 0 else None
     if channel is not None:
         others = set(range(world_size)) - {rank}
-        topo.loop = ServerLoop(channel, local, topo.queue, others, stop, workers=others)
+        topo.loop = ServerLoop(channel, local, topo.queue, others, job.stop, workers=others)
         topo.loop.start()
         topo.loop_ranks = sorted(others)
         if rank != 0:
@@ -99,25 +106,16 @@ def colocated(
     return topo
 
 
-def dedicated(
-    cfg: PSConfig,
-    plan: ShardPlan,
-    spec: OptimizerSpec,
-    layout: FlatLayout,
-    rank: int,
-    world_size: int,
-    workers: WorkerGroup,
-    stop: threading.Event,
-    stats: WireStats,
-) -> Topology:
+def dedicated(job: Job) -> Topology:
     """Rank 0 starts the job's own ``ivyplug serve`` (dedicated.py); then every worker joins it (external)."""
+    cfg, rank, workers = job.cfg, job.rank, job.workers
     host = ps_host()
     port = torch.zeros(1, dtype=torch.int64)
     secret = torch.zeros(32, dtype=torch.uint8)
     procs: list[Any] = []
     if rank == 0:
         token = secrets.token_hex(16)
-        proc, port[0] = launch(host, cfg.num_servers, world_size, token, cfg.timeout)
+        proc, port[0] = launch(host, cfg.num_servers, job.world_size, token, cfg.timeout)
         procs.append(proc)
         secret.copy_(torch.frombuffer(bytearray(token.encode()), dtype=torch.uint8))
     try:
@@ -126,7 +124,7 @@ def dedicated(
         token = secret.numpy().tobytes().decode()
         where = dataclasses.replace(cfg, num_servers=0, servers=f"{host}:{int(port)}", token=token)
         link = service_link.connect(where)
-        topo = external(cfg, plan, spec, layout, rank, world_size, workers, stop, stats, link)
+        topo = external(job, link)
     except BaseException:
         for proc in procs:  # do not leave a half-started server behind
             proc.kill()
@@ -136,24 +134,15 @@ def dedicated(
     return topo
 
 
-def external(
-    cfg: PSConfig,
-    plan: ShardPlan,
-    spec: OptimizerSpec,
-    layout: FlatLayout,
-    rank: int,
-    world_size: int,
-    workers: WorkerGroup,
-    stop: threading.Event,
-    stats: WireStats,
-    link: ServiceLink,
-) -> Topology:
+def external(job: Job, link: ServiceLink) -> Topology:
     """The shards of an ``ivyplug serve`` (service.py), reached over this worker's own pair group.
 
     Rank 0 joins first, so that a new job's shards start from rank 0's values; then the other ranks. A job
     of several ranks asks for slots 0..W-1 (its ranks); a lone worker takes any free slot.
     """
-    desc = job_description.describe(cfg, plan, spec)
+    cfg, plan, layout, workers, stats = job.cfg, job.plan, job.layout, job.workers, job.stats
+    rank, world_size = job.rank, job.world_size
+    desc = job_description.describe(cfg, plan, job.spec)
     full = layout.flat_local()
     values = [layout.shard_values(full, s) for s in range(plan.num_shards)]
     want = rank if world_size > 1 else -1

@@ -379,8 +379,7 @@ class Shard:
             scale = staleness_factor(tau, bool(int(hyper[2]) & PushFlag.DELTA), self.cfg.staleness_scaling)
             self._step(grads, self._has_grad(hyper), lr_scale=scale)
             self._merge_buffers_async(bufs)
-        self.clock[worker] += 1
-        self._release()
+        self.clock[worker] += 1  # push_pull releases the replies this allows, this push's own included
         return tau
 
     def _merge_ints(self, out: torch.Tensor, pushed: list[torch.Tensor]) -> None:

@@ -307,25 +307,24 @@ SEQUENCES = {
 }
 
 
-def _sequences(
+def _sequence_steps(
     weights: list[Any],
     grads: list[Any],
     exp_avgs: list[Any],
     exp_avg_sqs: list[Any],
     steps: list[Any],
-    adamw: Any,
-    rounds: int,
-) -> dict[str, Any]:
-    """Each of :data:`SEQUENCES` as a whole step over the large tensors, interleaved with fused AdamW's step on
-    their twins; medians (ms) and ratios to AdamW from the same rounds. The step sizes are tiny, so the tensors
-    stay as they are for every sequence."""
+    lr: float = 1e-9,
+    decay: float = 0.01,
+) -> dict[str, Callable[[], None]]:
+    """One LAMB step (betas 0.9/0.999, ε 1e-6, ratio clipped to [0, 10]) over these tensors for each of
+    :data:`SEQUENCES`, in place. The step counters are not advanced: the caller does that (tests compare a step of
+    each with ivyplug's LAMB)."""
     import math
 
     import torch
 
     from ivyplug.optim.functional import _fused_adam_direction, trust_ratio
 
-    decay, lr = 0.01, 1e-9
     scratch = torch.empty(max(w.numel() for w in weights))
     aside = torch.empty_like(scratch)
     dot = torch.dot
@@ -377,12 +376,27 @@ def _sequences(
             r = trust_ratio(math.sqrt(x_sq), u_norm, 0.0, 10.0)
             w.lerp_(d_flat.view(w.shape), lr * r * decay)
 
-    runs = {
+    return {
         "kernel": kernel,
         "fused moments on x": fused_on_x,
         "zeroed direction": zeroed_direction,
         "no gradient pass": lambda: kernel(pre_pass=False),
     }
+
+
+def _sequences(
+    weights: list[Any],
+    grads: list[Any],
+    exp_avgs: list[Any],
+    exp_avg_sqs: list[Any],
+    steps: list[Any],
+    adamw: Any,
+    rounds: int,
+) -> dict[str, Any]:
+    """Each of :data:`SEQUENCES` as a whole step over the large tensors, interleaved with fused AdamW's step on
+    their twins; medians (ms) and ratios to AdamW from the same rounds. The step sizes are tiny, so the tensors
+    stay as they are for every sequence."""
+    runs = _sequence_steps(weights, grads, exp_avgs, exp_avg_sqs, steps)
     names = ["AdamW fused=True", *runs]
     run_of = {"AdamW fused=True": adamw.step, **runs}
     samples: dict[str, list[float]] = {name: [] for name in names}

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import pytest
+import torch
 from ivyplug.benchmarks import lamb as bench
 
 from ivyplug.commands.bench import BENCHMARKS
@@ -154,3 +155,53 @@ def test_child_entry_point_and_allocator_environment(
     assert {k: v for k, v in seen["env"].items() if k.startswith("MALLOC_")} == bench.RAISED_MALLOC_ENV
     bench._run_child(config, {}, 10.0)
     assert not any(k.startswith("MALLOC_") for k in seen["env"])
+
+
+def _sequence_case(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(37, 29), (64, 50), (5, 7)]
+    weights = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+    weights[2].zero_()  # ‖x‖ = 0: ratio 1
+    grads = [torch.randn(s, generator=gen) * (0.1 + torch.rand(s, generator=gen)) for s in shapes]
+    return weights, grads
+
+
+@pytest.mark.parametrize("name", sorted(bench.SEQUENCES))
+def test_each_timed_sequence_takes_lambs_step(name: str) -> None:
+    """The orders of operations the bench times are LAMB steps: two steps of each match ivyplug's LAMB."""
+    from ivyplug.optim import LAMB
+
+    weights, grads = _sequence_case(7)
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = LAMB(params, lr=0.01, weight_decay=0.01, eps=1e-6, foreach=False)
+    exp_avgs = [torch.zeros_like(w) for w in weights]
+    exp_avg_sqs = [torch.zeros_like(w) for w in weights]
+    steps = [torch.zeros(()) for _ in weights]
+    run = bench._sequence_steps(weights, grads, exp_avgs, exp_avg_sqs, steps, lr=0.01)[name]
+    for k in range(2):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g * (k + 1)
+        for g in grads:
+            g.mul_(k + 1)
+        opt.step()
+        torch._foreach_add_(steps, 1.0)
+        run()
+        for g in grads:
+            g.div_(k + 1)
+    for p, w, m, v in zip(params, weights, exp_avgs, exp_avg_sqs, strict=True):
+        state = opt.state[p]
+        torch.testing.assert_close(w, p.detach(), rtol=2e-5, atol=1e-7)
+        torch.testing.assert_close(m, state["exp_avg"], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(v, state["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(bench.SEQUENCES))
+def test_only_the_reference_sequence_changes_tensors_before_a_late_nan(name: str) -> None:
+    weights, grads = _sequence_case(8)
+    grads[-1][0, 0] = float("nan")
+    exp_avgs = [torch.zeros_like(w) for w in weights]
+    exp_avg_sqs = [torch.zeros_like(w) for w in weights]
+    before = [w.clone() for w in weights]
+    bench._sequence_steps(weights, grads, exp_avgs, exp_avg_sqs, [torch.ones(()) for _ in weights], lr=0.01)[name]()
+    untouched = torch.equal(weights[0], before[0]) and not exp_avgs[0].any()
+    assert untouched == (name != "no gradient pass")

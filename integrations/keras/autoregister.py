@@ -11,7 +11,7 @@ custom-object table, which only holds classes whose decorator has run. Two ways 
 
 Until Keras is imported only a small finder sits at the front of ``sys.meta_path``; when (and only when)
 the ``keras`` package is imported, it wraps that module's loader and registers right after it executes.
-This module must stay import-light: it imports only ``os`` and ``sys``.
+This module must stay import-light: it imports only ``os``, ``sys`` and ``post_import``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Any
+
+from ivyplug.integrations.post_import import PostImportFinder
 
 DISABLE_ENV = "IVYPLUG_DISABLE_KERAS_AUTOREGISTER"
 TARGET_MODULE = "keras"
@@ -85,52 +87,18 @@ def _register() -> None:
         warnings.warn(f"ivyplug: could not register its Keras classes: {exc!r}", RuntimeWarning, stacklevel=2)
 
 
-class _RegisteringLoader:
-    """Wraps Keras's real loader; after it executes the package, registers the classes."""
+class KerasImportHook(PostImportFinder):
+    """Registers the classes once the ``keras`` package executed."""
 
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
+    targets = (TARGET_MODULE,)
 
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        # hand the module back to its real loader (inspect, importlib.resources and reload see no wrapper)
-        module.__loader__ = self._loader
-        if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
+    def after(self, module: Any) -> None:
         _register()
-
-    def __getattr__(self, name: str) -> Any:  # get_source, is_package, resource readers, ...
-        return getattr(self._loader, name)
-
-
-class KerasImportHook:
-    """A meta-path finder that only ever reacts to the ``keras`` package."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != TARGET_MODULE:
-            return None
-        for finder in sys.meta_path:
-            if isinstance(finder, KerasImportHook):
-                continue
-            find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _RegisteringLoader(spec.loader)
-        return spec
 
 
 def hook_installed() -> bool:
     """Whether the finder is in ``sys.meta_path`` (from the start-up hook or an earlier import)."""
-    return any(isinstance(f, KerasImportHook) for f in sys.meta_path)
+    return KerasImportHook.installed()
 
 
 def register_on_import() -> None:
@@ -140,8 +108,7 @@ def register_on_import() -> None:
         if not getattr(getattr(module, "__spec__", None), "_initializing", False):
             _register()
         return  # Keras is mid-import: registering now would fail; our finder, if loading it, registers after
-    if not hook_installed():
-        sys.meta_path.insert(0, KerasImportHook())
+    KerasImportHook.install()
 
 
 def install() -> bool:

@@ -8,7 +8,7 @@ else is imported at start-up. ``IVYPLUG_DISABLE_LIGHTNING_AUTOREGISTER=1`` switc
 The old package name ``pytorch_lightning`` has a separate registry and class tree that
 ``IvyPSStrategy`` does not belong to; there the names raise an error saying what to import.
 
-This module must stay import-light: it imports only ``os`` and ``sys``.
+This module must stay import-light: it imports only ``os``, ``sys`` and ``post_import``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Any
+
+from ivyplug.integrations.post_import import PostImportFinder
 
 DISABLE_ENV = "IVYPLUG_DISABLE_LIGHTNING_AUTOREGISTER"
 TARGET_MODULE = "lightning.pytorch.strategies"
@@ -43,47 +45,13 @@ def _register(module: Any) -> None:
         warnings.warn(f"ivyplug: could not register Lightning strategies: {exc!r}", RuntimeWarning, stacklevel=2)
 
 
-class _RegisteringLoader:
-    """Wraps the real loader; after it executes the module, registers the strategies."""
+class StrategyRegistryHook(PostImportFinder):
+    """Registers the strategy names once ``lightning.pytorch.strategies`` (or the legacy module) executed."""
 
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
+    targets = TARGETS
 
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        # hand the module back to its real loader (inspect, importlib.resources and reload see no wrapper)
-        module.__loader__ = self._loader
-        if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
+    def after(self, module: Any) -> None:
         _register(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, is_package, resource readers, ...
-        return getattr(self._loader, name)
-
-
-class StrategyRegistryHook:
-    """A meta-path finder that only ever reacts to ``lightning.pytorch.strategies``."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in TARGETS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or isinstance(finder, StrategyRegistryHook):
-                continue
-            find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _RegisteringLoader(spec.loader)
-        return spec
 
 
 def install() -> bool:
@@ -96,6 +64,5 @@ def install() -> bool:
             _register(module)
     if all(name in sys.modules for name in TARGETS):
         return True
-    if not any(isinstance(f, StrategyRegistryHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, StrategyRegistryHook())
+    StrategyRegistryHook.install()
     return True

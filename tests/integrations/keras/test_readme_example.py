@@ -1,40 +1,28 @@
-"""The README's Keras example, run as written (TensorFlow backend, CPU, the default strategy): it must train
-the digits convnet to a good test accuracy, so the learning rate it shows is one that works."""
+"""The README's Keras example (examples/readme_keras.py, quoted verbatim in the README), run as written
+(TensorFlow backend, CPU, the default strategy): it must train the digits MLP to a good test accuracy, so
+the learning rate it shows is one that works."""
 
 from __future__ import annotations
 
-import re
+import runpy
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("sklearn")
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = ROOT / "examples" / "readme_keras.py"
 
 
-def keras_example() -> str:
-    """The first ``python`` block of the README's ``## Keras`` section."""
-    text = README.read_text()
-    section = text[text.index("\n## Keras\n") :]
-    section = section[: section.index("\n## ", 1)]
-    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert match is not None, "the README's Keras section has no python block"
-    return match.group(1)
+def test_readme_quotes_the_keras_example_verbatim() -> None:
+    assert f"```python\n{EXAMPLE.read_text()}```" in (ROOT / "README.md").read_text()
 
 
+@pytest.mark.timeout(120)
 def test_readme_keras_example_reaches_good_accuracy(capsys: pytest.CaptureFixture[str]) -> None:
-    import keras
-
-    code = keras_example()
-    keras.utils.set_random_seed(0)  # reproducible weights and dropout; the balancer still reads real load
-    namespace: dict[str, Any] = {"__name__": "readme_keras_example"}
-    exec(compile(code, str(README), "exec"), namespace)  # no edits: as a reader would run it
+    namespace = runpy.run_path(str(EXAMPLE), run_name="readme_keras_example")  # as a reader runs it
     printed = capsys.readouterr().out.strip().splitlines()[-1]
-    assert float(printed) >= 0.95, printed
-    model = namespace["model"]
-    assert type(model.optimizer).__name__ == "LAMB"
-    accuracy = model.evaluate(namespace["x_test"], namespace["y_test"], return_dict=True, verbose=0)["accuracy"]
-    assert accuracy >= 0.95
+    assert printed.startswith("test accuracy: ") and float(printed.split()[-1]) >= 0.95, printed
+    assert type(namespace["model"].optimizer).__name__ == "LAMB"

@@ -1,6 +1,6 @@
 """``ivyplug bench keras_overhead``: the Keras ``IvyLoadBalancer``'s hook time over step time (target <= 1 %).
 
-The issue's measure: the callback's summed hook time divided by the steps' wall time, on a compute-bound
+The measure: the callback's summed hook time divided by the steps' wall time, on a compute-bound
 model (digits MLP 64-1024-1024-10, global batch 256), on one device and under ``MirroredStrategy`` over 2
 logical CPUs; medians over several epochs and rounds. The work runs in one child process
 (:mod:`ivyplug.benchmarks.keras_overhead_job`, where the definitions of every column are); the machine is

@@ -1,4 +1,4 @@
-"""examples/lightning_ps.py --quick: the README's first command, as a user runs it (popen launcher)."""
+"""examples/lightning_ps.py --quick, run as a user runs it (popen launcher)."""
 
 from __future__ import annotations
 

@@ -113,8 +113,10 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     """Runs :class:`AsyncLAMB`'s exchanges with the PS during ``fit`` (see the module docstring).
 
     Args:
-        mode, staleness, staleness_scaling, timeout: as for :class:`ivyplug.ps.PSConfig` (checked here,
-            before ``fit`` starts).
+        mode, staleness, staleness_scaling, timeout, nonfinite: as for :class:`ivyplug.ps.PSConfig` (checked
+            here, before ``fit`` starts); ``staleness_scaling``, ``timeout`` and ``nonfinite`` left at ``None``
+            come from ``[tool.ivyplug.ps]`` / ``IVYPLUG_PS_*`` (:mod:`ivyplug.settings`), as for ``IvyPSStrategy``,
+            else ``"inverse"``, the PS's default timeout and ``"skip"``.
         servers: ``"host:port"`` of an ``ivyplug serve`` (also ``$IVYPLUG_PS_SERVERS``). Each Keras process
             started on its own is then one worker of the servers' job, without torchrun or a process group;
             the servers' ``--workers`` slots set the default merge rate (1/slots in async/ssp).
@@ -127,24 +129,31 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self,
         mode: str = "async",
         staleness: int | None = None,
-        staleness_scaling: str = "inverse",
-        timeout: float = DEFAULT_TIMEOUT_S,
+        staleness_scaling: str | None = None,
+        timeout: float | None = None,
         servers: str | None = None,
         token: str | None = None,
         wire_dtype: str | None = None,
+        nonfinite: str | None = None,
     ) -> None:
         from ivyplug.settings import project_defaults
         from ivyplug.settings import token as settings_token
 
         super().__init__()
+        project = project_defaults("ps")
+
+        def first(value: Any, key: str, default: Any) -> Any:
+            return value if value is not None else project.get(key, default)
+
         self.config = PSConfig(
             mode=mode,
             staleness=staleness,
-            staleness_scaling=staleness_scaling,
-            timeout=timeout,
-            servers=servers if servers is not None else project_defaults("ps").get("servers"),
+            staleness_scaling=first(staleness_scaling, "staleness_scaling", "inverse"),
+            timeout=first(timeout, "timeout", DEFAULT_TIMEOUT_S),
+            servers=first(servers, "servers", None),
             token=settings_token(token),
-            wire_dtype=wire_dtype if wire_dtype is not None else project_defaults("ps").get("wire_dtype", "float32"),
+            wire_dtype=first(wire_dtype, "wire_dtype", "float32"),
+            nonfinite=first(nonfinite, "nonfinite", "skip"),
         )
         self.client: Any = None
         self._delta: Any = None

@@ -110,8 +110,8 @@ class IvyPSStrategy(DDPStrategy):
             a step combined, weighted by its sample count: the same math as DDP) or ``"ssp"``.
         staleness: for ``mode="ssp"``: a worker blocks while it is more than this many steps ahead of the
             slowest live worker. Required for ssp, refused otherwise.
-        num_servers: 0 (default) co-locates one shard with every worker; ``k > 0`` runs k dedicated CPU
-            server processes (for GPU workers). ``num_servers``, ``staleness_scaling``, ``nonfinite`` and
+        num_servers: 0 (default) co-locates one shard with every worker; ``k > 0``: rank 0 starts one CPU
+            server process holding k shards (for GPU workers). ``num_servers``, ``staleness_scaling``, ``nonfinite`` and
             ``timeout`` left at ``None`` come from ``[tool.ivyplug.ps]`` in the project's pyproject.toml or
             ``IVYPLUG_PS_*`` variables (:mod:`ivyplug.settings`), else the defaults given here.
         staleness_scaling: ``"inverse"`` (default): the server steps a push made ``tau`` updates after its

@@ -25,8 +25,8 @@ class PSConfig:
     ``nonfinite``: what a push with a NaN or Inf (gradient, delta or float buffer) does: ``"skip"``
     (default) drops that worker's whole push on every shard, ``"raise"`` stops with an error naming the
     rank, the step and the first non-finite tensor. ``timeout`` bounds every wait on the PS, in seconds.
-    ``num_servers=0`` co-locates one shard with each worker; ``k > 0`` runs k dedicated CPU server
-    processes; ``servers="host:port"`` joins the shards an ``ivyplug serve`` runs there (``token``: the
+    ``num_servers=0`` co-locates one shard with each worker; ``k > 0``: rank 0 starts one CPU server
+    process holding k shards; ``servers="host:port"`` joins the shards an ``ivyplug serve`` runs there (``token``: the
     shared secret it was started with; never logged or saved). ``max_shard_bytes`` splits larger tensors
     row-wise; ``"auto"`` (default) splits only where the optimizer's update is element-wise, so that shards
     balance (sharding.py), ``None`` keeps whole tensors. ``wire_dtype="bfloat16"`` sends the floats of

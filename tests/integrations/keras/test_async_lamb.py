@@ -43,6 +43,20 @@ def test_config_round_trip_and_bad_arguments() -> None:
         AsyncLAMBExchange(mode="bsp")
 
 
+def test_exchange_takes_the_project_ps_defaults_like_the_lightning_strategy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.ivyplug.ps]\ntimeout = 45.0\nnonfinite = "raise"\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("IVYPLUG_PS_STALENESS_SCALING", "none")
+    cfg = AsyncLAMBExchange().config
+    assert (cfg.timeout, cfg.nonfinite, cfg.staleness_scaling) == (45.0, "raise", "none")
+    cfg = AsyncLAMBExchange(timeout=5.0, nonfinite="skip", staleness_scaling="inverse").config  # code wins
+    assert (cfg.timeout, cfg.nonfinite, cfg.staleness_scaling) == (5.0, "skip", "inverse")
+    with pytest.raises(ValueError, match="nonfinite"):
+        AsyncLAMBExchange(nonfinite="ignore")
+
+
 def test_exchange_callback_refuses_another_optimizer() -> None:
     model = _model()
     model.compile(optimizer=LAMB(), loss="mse")

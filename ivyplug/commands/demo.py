@@ -295,7 +295,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
             f"digits, 2 CPU workers, worker 1 {results['slowdown']:g}x slower, "
             "the same optimizer and schedule in every run\n"
             f"(load average {load:.1f} on {results['cpu_count']} CPUs)",
-            fontsize=10,
+            fontsize=9,
         )
         ax.grid(True, alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)

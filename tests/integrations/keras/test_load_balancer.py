@@ -161,6 +161,20 @@ def test_single_device_sgd_grows_linearly(digits: Any) -> None:
     assert spy.step_logs[2] == ["ivy/cpu_util", "ivy/mem_total", "ivy/mem_used"]
 
 
+def test_one_replica_has_no_noise_scale_so_goodput_warns_once_and_does_not_grow(digits: Any) -> None:
+    x, y = digits
+    data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)
+    model = _model(keras.optimizers.SGD(0.05))
+    balancer = _balancer(data, [IDLE], goodput=True)
+    with pytest.warns(RuntimeWarning, match="no gradient noise scale estimate: one replica") as warned:
+        history = model.fit(
+            data.tf_dataset(), steps_per_epoch=data.steps_per_epoch, epochs=2, verbose=0, callbacks=[balancer]
+        )
+    assert sum("noise scale" in str(w.message) for w in warned) == 1
+    assert history.history["ivy/batch_size"] == [16.0, 16.0] and balancer.decisions == []
+    assert all("goodput unknown (one replica" in reason for _, reason in balancer.reasons), balancer.reasons
+
+
 def test_memory_pressure_shrinks_to_the_bound(digits: Any) -> None:
     x, y = digits
     data = ElasticDataset(x, y, batch_size=64, seed=0, lag=1)

@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             metrics=["accuracy"],
         )
 
-    balancer = IvyLoadBalancer(data, probes=[ScriptedProbe(TRACE, clock=lambda: balancer.epoch)], interval=0.05)
+    # the scripted load shows the utilisation rule alone: by default a growth must also raise the goodput
+    balancer = IvyLoadBalancer(
+        data, probes=[ScriptedProbe(TRACE, clock=lambda: balancer.epoch)], interval=0.05, goodput=False
+    )
     print(f"{strategy.num_replicas_in_sync} replicas, {data.num_samples} training samples, lag {data.lag} steps")
     history = model.fit(
         pipeline,

@@ -92,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = DigitsClassifier(slowdown=3.0 if args.devices > 1 else 1.0, train_samples=512 if args.quick else None)
     trace = [TRACE[0], TRACE[3], TRACE[4]] if args.quick else TRACE  # quick: grow, hold, shrink
     probe = ScriptedProbe(trace, clock=lambda: model.current_epoch)
-    balancer = IvyLoadBalancer(probes=[probe], interval=0.2, max_batch_size=256)
+    # the scripted load shows the utilisation rule alone: by default a growth must also raise the goodput
+    balancer = IvyLoadBalancer(probes=[probe], interval=0.2, max_batch_size=256, goodput=False)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,

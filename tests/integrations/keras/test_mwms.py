@@ -91,7 +91,9 @@ def _worker(index: int, ports: list[int], out: Path) -> None:
         balanced = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
         balanced.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     holder: list[IvyLoadBalancer] = []
-    balancer = IvyLoadBalancer(elastic, probes=[ScriptedProbe(trace, clock=lambda: holder[0].epoch)], interval=0.02)
+    balancer = IvyLoadBalancer(  # the utilisation rule alone: MultiWorkerMirrored has no noise-scale estimate
+        elastic, probes=[ScriptedProbe(trace, clock=lambda: holder[0].epoch)], interval=0.02, goodput=False
+    )
     holder.append(balancer)
     fitted = balanced.fit(
         pipeline, steps_per_epoch=elastic.steps_per_epoch, epochs=3, callbacks=[balancer], verbose=0, shuffle=False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from pathlib import Path
 
@@ -11,17 +10,11 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "lightning_load_balancer.py"
 
 
-def test_lightning_load_balancer_example_quick(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_lightning_load_balancer_example_quick(capsys: pytest.CaptureFixture[str]) -> None:
     spec = importlib.util.spec_from_file_location("lightning_load_balancer_example", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    # The example shows the utilisation and memory rules on one process, where the goodput rule has no noise-scale
-    # estimate and would hold B: run it with the goodput rule off until the example passes goodput=False itself.
-    if "goodput" not in EXAMPLE.read_text():
-        monkeypatch.setattr(module, "IvyLoadBalancer", functools.partial(module.IvyLoadBalancer, goodput=False))
     result = module.main(["--quick"])
     sizes = [(h["batch_size"], h["next_batch_size"]) for h in result["history"]]
     assert sizes == [(32, 64), (64, 64), (64, 32)]  # idle -> grow, band -> hold, memory pressure -> shrink

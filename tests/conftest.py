@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# TensorFlow's plain CPU allocator: the oneDNN one retries a failed allocation for 10 s before its OOM, and
+# the OOM-recovery tests cause real allocator OOMs (the error and its recovery are the same with either)
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 #: Lightning's spawn launcher writes these into the test process; a later test's subprocesses would inherit
 #: a stale MASTER_PORT (and hang when something else holds it).

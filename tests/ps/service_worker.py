@@ -43,7 +43,6 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--die-at", type=int, default=-1)
-    ap.add_argument("--die-first-attempt-at", type=int, default=-1, help="under torchrun: die in attempt 0 only")
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--timeout", type=float, default=30.0)
     args = ap.parse_args()
@@ -69,8 +68,7 @@ def main() -> int:
         out["start_loss"] = float(torch.nn.functional.mse_loss(model(x), y))
     g = torch.Generator().manual_seed(args.seed + 1)
     for step in range(args.steps):
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if step == args.die_at or (step == args.die_first_attempt_at and first_attempt):
+        if step == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
         idx = torch.randint(0, x.shape[0], (32,), generator=g)
         opt.zero_grad()

@@ -1,7 +1,8 @@
 """A step that runs out of memory is split into micro-batches on the same data, in real ``model.fit`` runs.
 
 The OOM is real: :class:`OOMAbove` allocates a 256 TiB tensor (the CPU allocator answers with
-``tf.errors.ResourceExhaustedError``, "OOM when allocating tensor") whenever it is armed and sees more
+``tf.errors.ResourceExhaustedError``, "OOM when allocating tensor"; the suite runs TensorFlow's plain CPU
+allocator, tests/conftest.py, whose OOM is immediate where oneDNN's retries for 10 s) whenever it is armed and sees more
 samples than its threshold, and otherwise counts the samples it lets through (after the check, so a
 failed attempt counts nothing). The model is linear with a mean-squared loss and SGD, so the update of
 the recovered step is checked against an independent float64 computation on the same batch.
@@ -165,7 +166,7 @@ def test_mirrored_oom_step_is_split_and_replicas_stay_equal(mirrored: Any) -> No
 
 
 def test_repeated_oom_doubles_the_parts_up_to_a_clear_error() -> None:
-    """Each real OOM costs TF's allocator about 10 s of retries here, so the doubling is shown in two OOMs."""
+    """64 -> 2 x 32 -> 4 x 16: two real OOMs double the parts; past ``oom_max_parts`` a clear error."""
     x, y = _data(1)
     data = ElasticDataset(x, y, batch_size=64, seed=0, lag=1)
     model = _model(threshold=16)

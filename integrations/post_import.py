@@ -40,10 +40,9 @@ class _CallingLoader:
 class PostImportFinder:
     """Calls ``after(module)`` once one of ``targets`` is executed; every other import passes untouched."""
 
-    targets: tuple[str, ...] = ()
-
-    def after(self, module: Any) -> None:
-        raise NotImplementedError
+    def __init__(self, targets: tuple[str, ...], after: Callable[[Any], None]) -> None:
+        self.targets = targets
+        self.after = after
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname not in self.targets:
@@ -70,6 +69,6 @@ class PostImportFinder:
 
     @classmethod
     def install(cls) -> None:
-        """Put one finder of this class at the front of ``sys.meta_path`` (once)."""
+        """Put one finder of this class at the front of ``sys.meta_path`` (once); ``cls()`` takes no argument."""
         if not cls.installed():
-            sys.meta_path.insert(0, cls())
+            sys.meta_path.insert(0, cls())  # type: ignore[call-arg]

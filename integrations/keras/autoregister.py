@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 from ivyplug.integrations.post_import import PostImportFinder
 
@@ -90,10 +89,8 @@ def _register() -> None:
 class KerasImportHook(PostImportFinder):
     """Registers the classes once the ``keras`` package executed."""
 
-    targets = (TARGET_MODULE,)
-
-    def after(self, module: Any) -> None:
-        _register()
+    def __init__(self) -> None:
+        super().__init__((TARGET_MODULE,), lambda module: _register())
 
 
 def hook_installed() -> bool:

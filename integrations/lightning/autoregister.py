@@ -48,10 +48,8 @@ def _register(module: Any) -> None:
 class StrategyRegistryHook(PostImportFinder):
     """Registers the strategy names once ``lightning.pytorch.strategies`` (or the legacy module) executed."""
 
-    targets = TARGETS
-
-    def after(self, module: Any) -> None:
-        _register(module)
+    def __init__(self) -> None:
+        super().__init__(TARGETS, _register)
 
 
 def install() -> bool:

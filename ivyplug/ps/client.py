@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ivyplug.ps import checkpoint, service_link, topology
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.dispatch import WAIT
+from ivyplug.ps.dispatch import WAIT, check_count, check_epoch
 from ivyplug.ps.endpoints import PendingReply, PSServerError, WireEndpoint, WireStats
 from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.member_group import MemberGroup
@@ -33,7 +33,7 @@ from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in
 from ivyplug.ps.shard import Shard, load_state_bytes
 from ivyplug.ps.sharding import ShardPlan, TensorSpec, auto_max_shard_bytes, build_plan
 from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
-from ivyplug.ps.wire_codec import Bf16Codec, overflows_bf16
+from ivyplug.ps.wire_codec import BF16_OVERFLOW, Bf16Codec
 from ivyplug.ps.worker_group import WorkerGroup
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
@@ -296,15 +296,14 @@ class PSClient:
         flag, so no shard applies part of a push that another drops.
         """
         ranges = self.layout.float_ranges
-        if all(nonfinite_in(data, ranges[s]) is None for s, data in packed.items()):
-            if self.cfg.wire_dtype != "bfloat16":
-                return 0
-            # finite in fp32, but bf16 would round a value to Inf on the wire: non-finite there
-            if all(overflows_bf16(data, ranges[s]) is None for s, data in packed.items()):
-                return 0
-            name = "a value beyond bfloat16's range (|x| >= 3.3962e38, Inf once sent with wire_dtype='bfloat16')"
-        else:
+        # with a bf16 wire, a finite fp32 value that bf16 rounds to Inf is non-finite there too (same pass)
+        below = BF16_OVERFLOW if self.cfg.wire_dtype == "bfloat16" else None
+        if all(nonfinite_in(data, ranges[s], below) is None for s, data in packed.items()):
+            return 0
+        if any(nonfinite_in(data, ranges[s]) is not None for s, data in packed.items()):
             name = self.layout.first_nonfinite()
+        else:
+            name = "a value beyond bfloat16's range (|x| >= 3.3962e38, Inf once sent with wire_dtype='bfloat16')"
         step = self.m.pushes + 1
         if self.cfg.nonfinite == "raise":
             raise PSNonFiniteError(
@@ -341,13 +340,7 @@ class PSClient:
         finished, its reserved one included, are handed out again (see ``next_batch``).
         """
         self._check_open()
-        for name, value in (("num_batches", num_batches), ("reserved", reserved)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if reserved > min(num_batches, self.world_size):
-            raise ValueError(
-                f"reserved must be at most min(num_batches={num_batches}, world_size={self.world_size}), got {reserved}"
-            )
+        check_epoch(num_batches, reserved, self.world_size)
         if self.rank < reserved:
             self.m.batches += 1
         if self.topo.queue is not None:
@@ -371,8 +364,7 @@ class PSClient:
         self._check_open()
         if self.epoch is None:
             raise RuntimeError("next_batch() before start_epoch(): call start_epoch(epoch, num_batches) first")
-        if isinstance(finished, bool) or not isinstance(finished, int) or finished < 0:
-            raise ValueError(f"finished must be an int >= 0, got {finished!r}")
+        check_count("finished", finished)
         index = self._ask_queue(finished, BatchAsk.NOW)
         if index == WAIT:  # leave the SSP clock first: a worker blocked by its clock may hold what this one waits for
             for ep in self.topo.endpoints.values():

@@ -31,6 +31,21 @@ from concurrent.futures import Future
 WAIT = -2
 
 
+def check_count(name: str, value: object) -> None:
+    """``value`` must be an int >= 0 (ValueError naming ``name`` and the value otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def check_epoch(num_batches: object, reserved: object, workers: int) -> None:
+    """The arguments of an epoch's start: counts, and at most one reserved index per worker and per batch."""
+    check_count("num_batches", num_batches)
+    check_count("reserved", reserved)
+    assert isinstance(num_batches, int) and isinstance(reserved, int)
+    if reserved > min(num_batches, workers):
+        raise ValueError(f"reserved must be at most min(num_batches={num_batches}, workers={workers}), got {reserved}")
+
+
 class BatchQueue:
     """Hands out ``0 .. num_batches-1`` once per epoch (again where a lost worker left one unfinished)."""
 
@@ -51,13 +66,7 @@ class BatchQueue:
 
     def reset(self, epoch: int, num_batches: int, reserved: int = 0) -> None:
         """Start ``epoch`` with ``num_batches`` indices, the first ``reserved`` one per worker."""
-        for name, value in (("num_batches", num_batches), ("reserved", reserved)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if reserved > min(num_batches, self.num_workers):
-            raise ValueError(
-                f"reserved must be at most min(num_batches={num_batches}, workers={self.num_workers}), got {reserved}"
-            )
+        check_epoch(num_batches, reserved, self.num_workers)
         with self.lock:
             stale, self._waiting = self._waiting, []
             self.epoch = epoch
@@ -81,8 +90,7 @@ class BatchQueue:
         resolved with :data:`WAIT` (the worker first leaves the SSP clock, then asks again with ``wait=True``:
         a worker blocked here must not hold back one blocked by its clock).
         """
-        if isinstance(finished, bool) or not isinstance(finished, int) or finished < 0:
-            raise ValueError(f"finished must be an int >= 0, got {finished!r}")
+        check_count("finished", finished)
         fut: Future[int] = Future()
         with self.lock:
             if epoch != self.epoch:

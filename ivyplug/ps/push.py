@@ -43,9 +43,16 @@ def decode_mask(words: list[float], num_params: int) -> list[bool]:
     return [bool(ints[i // MASK_BITS] >> (i % MASK_BITS) & 1) for i in range(num_params)]
 
 
-def nonfinite_in(data: torch.Tensor, ranges: list[tuple[int, int]]) -> int | None:
-    """Offset of the first range of ``data`` holding a NaN/Inf, else None (one pass when it is all finite)."""
+def nonfinite_in(data: torch.Tensor, ranges: list[tuple[int, int]], below: float | None = None) -> int | None:
+    """Offset of the first range of ``data`` holding a NaN/Inf, else None (one pass when it is all finite).
+
+    ``below``: also a finite value whose magnitude is not below it (one pass still: ``|x| < below`` is false
+    for NaN and Inf too), for a wire whose format rounds such values to Inf.
+    """
     for a, b in ranges:
-        if b > a and not bool(torch.isfinite(data[a:b]).all()):
+        if b <= a:
+            continue
+        ok = torch.isfinite(data[a:b]) if below is None else data[a:b].abs() < below
+        if not bool(ok.all()):
             return a
     return None

@@ -66,11 +66,3 @@ class Bf16Codec:
             out[a:b].view(torch.bfloat16).copy_(halves[at : at + 2 * (b - a)])
             at += 2 * (b - a)
         return out
-
-
-def overflows_bf16(data: torch.Tensor, ranges: list[tuple[int, int]]) -> int | None:
-    """Offset of the first range of finite ``data`` holding a value that bf16 rounds to Inf, else None."""
-    for a, b in ranges:
-        if b > a and bool((data[a:b].abs() >= BF16_OVERFLOW).any()):
-            return a
-    return None

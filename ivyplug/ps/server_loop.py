@@ -232,7 +232,8 @@ class ServerLoop(threading.Thread):
             )
         return None
 
-    def _answer_gather(self, to: int, request: Header, fut: Future[int]) -> None:
+    def _answer_number(self, to: int, request: Header, fut: Future[int]) -> None:
+        """Send a reply whose ``arg0`` is the number ``fut`` resolves to (a batch index, a gathered length)."""
         try:
             exc = fut.exception()
             if exc is not None:
@@ -240,20 +241,10 @@ class ServerLoop(threading.Thread):
             else:
                 self._reply(to, request, None, arg0=fut.result())
         except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
-            print(
-                f"[ivyplug.ps] rank {self.channel.rank} could not answer {to}: {send_exc}", file=sys.stderr, flush=True
-            )
+            self._unanswered(to, send_exc)
 
-    def _answer_batch(self, to: int, request: Header, fut: Future[int]) -> None:
-        """Send a batch index once the queue resolved it (on the resolving thread)."""
-        try:
-            self._reply(to, request, None, arg0=fut.result())
-        except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
-            print(
-                f"[ivyplug.ps] rank {self.channel.rank} could not answer rank {to}: {send_exc}",
-                file=sys.stderr,
-                flush=True,
-            )
+    def _unanswered(self, to: int, exc: Exception) -> None:
+        print(f"[ivyplug.ps] rank {self.channel.rank} could not answer rank {to}: {exc}", file=sys.stderr, flush=True)
 
     def _answer(self, to: int, request: Header, fut: Future[Reply]) -> None:
         """Send a push's or pull's reply once its future is resolved (on the resolving thread)."""
@@ -267,11 +258,7 @@ class ServerLoop(threading.Thread):
             snapshot = target.bf16.encode(r.snapshot) if request.flags & Flag.BF16 else r.snapshot
             self._reply(to, request, snapshot, arg0=r.staleness, arg1=r.version, arg2=r.clock)
         except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
-            print(
-                f"[ivyplug.ps] rank {self.channel.rank} could not answer rank {to}: {send_exc}",
-                file=sys.stderr,
-                flush=True,
-            )
+            self._unanswered(to, send_exc)
 
     def _shard_for(self, h: Header) -> Shard:
         shard = self.shards.get(h.shard)
@@ -310,7 +297,7 @@ class ServerLoop(threading.Thread):
                 self._reply(to, h, None, arg0=-1)
             else:  # with WAIT, answered when the queue resolves it (another worker's batches may come back)
                 taken = self.queue.take(w, h.arg0, max(0, h.arg1), wait=h.arg2 == BatchAsk.WAIT)
-                taken.add_done_callback(lambda f: self._answer_batch(to, h, f))
+                taken.add_done_callback(lambda f: self._answer_number(to, h, f))
         elif h.kind == Kind.EPOCH:
             if self.queue is None:
                 raise RuntimeError(f"rank {self.channel.rank} holds no batch queue")
@@ -323,7 +310,7 @@ class ServerLoop(threading.Thread):
                 assert data is not None or h.arg0 == 0
                 blob = words_to_bytes(data, h.arg0) if data is not None else b""
                 done = self.rendezvous.gather(self.member, h.arg1, blob)
-                done.add_done_callback(lambda f: self._answer_gather(to, h, f))
+                done.add_done_callback(lambda f: self._answer_number(to, h, f))
             else:
                 result = self.rendezvous.result(h.arg1)
                 self._reply(to, h, bytes_to_words(result), arg0=len(result))

@@ -545,6 +545,7 @@ class PSService:
                 "num_workers": job.num_workers,
                 "num_shards": self.num_shards,
                 "first": self.first,
+                "joined": int(self.join is not None),
                 "total_shards": job.plan.num_shards,
                 "services": json.dumps(services),
                 "shards": [bytes_to_words(job.shards[s].state()) for s in sorted(job.shards)],
@@ -570,7 +571,7 @@ class PSService:
                 f"{path} holds {saved['num_shards']} shards; start ivyplug serve with --shards {saved['num_shards']} "
                 "(or another --state-dir)"
             )
-        joined = int(saved.get("first", 0)) > 0 or not json.loads(saved.get("services", "[{}]"))
+        joined = bool(saved.get("joined", 0))  # a snapshot of an earlier version: of a job on one service
         if joined != (self.join is not None):
             was = "with --join (a later service of a job)" if joined else "as the first service of its job"
             raise ValueError(f"{path} was written by an ivyplug serve started {was}; start this one the same way")

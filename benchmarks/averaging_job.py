@@ -21,7 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from ivyplug.benchmarks.ps_job import EpochClock, digits
+from ivyplug.benchmarks.ps_job import EpochClock, digits, slow_down
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -44,8 +44,7 @@ class AveragingMLP(pl.LightningModule):
         start = time.perf_counter()
         logits = self.net(x)
         forward = time.perf_counter() - start
-        if self.global_rank == 1 and self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * 3 * forward)
+        slow_down(self.global_rank, self.slowdown, forward)
         return nn.functional.cross_entropy(logits, y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

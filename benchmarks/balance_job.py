@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from ivyplug.benchmarks.ps_job import slow_down
 from ivyplug.integrations.lightning import IvyLoadBalancer
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
@@ -58,8 +59,7 @@ class SlowableMLP(pl.LightningModule):
         x, y = batch
         start = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(self.net(x), y)
-        if self.slowdown > 1 and self.global_rank == 1:
-            time.sleep((self.slowdown - 1) * 3 * (time.perf_counter() - start))
+        slow_down(self.global_rank, self.slowdown, time.perf_counter() - start)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -35,6 +35,16 @@ def digits(repeat: int) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(xt[train].repeat(repeat, 1), yt[train].repeat(repeat)), TensorDataset(xt[val], yt[val])
 
 
+def slow_down(rank: int, slowdown: float, forward_s: float) -> float:
+    """On rank 1, sleep as a device ``slowdown`` times slower at compute would take longer (a step's compute
+    is about 3 forwards: forward + backward); the seconds slept."""
+    if rank != 1 or slowdown <= 1:
+        return 0.0
+    delay = (slowdown - 1) * 3 * forward_s
+    time.sleep(delay)
+    return delay
+
+
 class BenchMLP(pl.LightningModule):
     """The compute-bound digits MLP 64-1024-1024-10; rank 1 simulates a device ``slowdown`` times slower."""
 
@@ -52,10 +62,7 @@ class BenchMLP(pl.LightningModule):
         start = time.perf_counter()
         logits = self.net(x)
         forward = time.perf_counter() - start
-        if self.global_rank == 1 and self.slowdown > 1:
-            delay = (self.slowdown - 1) * 3 * forward
-            time.sleep(delay)
-            self.slept += delay
+        self.slept += slow_down(self.global_rank, self.slowdown, forward)
         return nn.functional.cross_entropy(logits, y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

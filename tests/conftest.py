@@ -18,6 +18,19 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED")
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test: tiny tensors on a loaded 2-core machine avoid OpenMP spin-waits."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _restore_launch_variables() -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,14 +24,7 @@ from tests.ps.outer_reference import RefAverage, RefDelayedNesterov, ref_lamb
 MANUAL = 10**6  # sync_every: the tests call exchange() themselves
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: no OpenMP spin-waits
 
 
 def _model(seed: int) -> nn.Module:

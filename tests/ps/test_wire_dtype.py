@@ -6,7 +6,6 @@ error feedback on deltas (its bound, and the control without it), the overflow r
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,14 +21,7 @@ from ivyplug.ps.wire_codec import BF16_OVERFLOW, Bf16Codec
 MANUAL = 10**6  # sync_every: the tests call exchange() themselves
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: no OpenMP spin-waits
 
 
 def ref_bf16(x: np.ndarray) -> np.ndarray:

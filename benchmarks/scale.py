@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -27,6 +28,10 @@ SIZES_M = (1, 4, 16, 64)
 _WORKER = str(Path(__file__).with_name("scale_worker.py"))
 
 
+#: how long ``ivyplug serve`` may take to say where it listens
+START_TIMEOUT_S = 60.0
+
+
 def _serve(num_workers: int) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "ivyplug", "serve", "--shards", "1", "--workers", str(num_workers), "--port", "0"]
     proc = subprocess.Popen(
@@ -38,7 +43,8 @@ def _serve(num_workers: int) -> tuple[subprocess.Popen[str], str]:
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert proc.stdout is not None
-    line = proc.stdout.readline()
+    started, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)  # a hung start fails, not waits
+    line = proc.stdout.readline() if started else f"(nothing within {START_TIMEOUT_S:g} s)"
     if "listening on" not in line:
         proc.kill()
         raise RuntimeError(f"ivyplug serve did not start: {line!r}")

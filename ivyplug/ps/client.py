@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -87,6 +88,11 @@ class PSClient:
         self._epoch_ended = False
         self.closed = False
         self.m = _Metrics()
+        #: sync mode, after each ``step``: squared L2 norm of the combined gradient the servers applied (the
+        #: sample-weighted mean over workers, before clipping), summed over shards; ``None`` in async/ssp,
+        #: before the first step, and after a step whose every push was dropped. With this worker's own
+        #: gradient norm it gives the gradient noise scale (``ivyplug.load.goodput``) at no extra traffic.
+        self.combined_grad_sq_norm: float | None = None
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -208,18 +214,20 @@ class PSClient:
             )
 
     # -- the training-step API ------------------------------------------------------------------
-    def _collect(self, pending: list[tuple[int, PendingReply]]) -> list[int]:
-        """Wait for every shard's reply, unpack it; returns the replies' staleness."""
+    def _collect(self, pending: list[tuple[int, PendingReply]]) -> tuple[list[int], float]:
+        """Wait for every shard's reply, unpack it; returns the replies' staleness and summed ``grad_sq``."""
         staleness = []
+        grad_sq = 0.0
         for s, reply in pending:
             r = reply.result(self.cfg.timeout)
             staleness.append(r.staleness)
+            grad_sq += r.grad_sq
             self.layout.unpack(s, r.snapshot)
         if self.topo.channel is not None:
             self.topo.channel.flush()
         for other in self.topo.others:
             other.channel.flush()
-        return staleness
+        return staleness, grad_sq
 
     @contextlib.contextmanager
     def _servers_named(self) -> Iterator[None]:
@@ -278,7 +286,8 @@ class PSClient:
         hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
         with self._servers_named():
             pending = [(s, ep.push_pull(self.rank, packed[s], hyper)) for s, ep in self.topo.endpoints.items()]
-            staleness = self._collect(pending)
+            staleness, grad_sq = self._collect(pending)
+        self.combined_grad_sq_norm = grad_sq if self.cfg.mode == "sync" and math.isfinite(grad_sq) else None
         self.m.pushes += 1
         self.m.pulls += 1
         # the servers stepped this optimizer's mirror: tell LR schedulers so (they warn otherwise)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from ivyplug.ps import typed_state
-from ivyplug.ps.messages import Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
+from ivyplug.ps.messages import Flag, Header, Kind, Status, arg_float, bytes_to_words, words_to_bytes
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError
 from ivyplug.ps.wire_codec import Bf16Codec
@@ -124,8 +124,8 @@ class _WireReply:
         assert self._out is not None
         codec = self._endpoint.bf16
         if codec is not None and h.flags & Flag.BF16:  # a bf16 reply: decode into the reused fp32 buffer
-            return Reply(codec.decode(self._out, self._endpoint.decoded()), h.arg1, h.arg0, h.arg2)
-        return Reply(self._out, h.arg1, h.arg0, h.arg2)
+            return Reply(codec.decode(self._out, self._endpoint.decoded()), h.arg1, h.arg0, h.arg2, arg_float(h.arg3))
+        return Reply(self._out, h.arg1, h.arg0, h.arg2, arg_float(h.arg3))
 
 
 class WireEndpoint:

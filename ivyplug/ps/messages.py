@@ -8,6 +8,7 @@ with their own tags. Payloads are plain tensors (fp32 data, fp64 hyperparameters
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ TAG_REQUEST_HYPER = 13  # fp64 payload of a request
 TAG_REPLY = 21  # reply headers (received from the server a worker asked)
 TAG_REPLY_DATA = 22  # fp32 payload of a reply
 TAG_REPLY_TEXT = 23  # UTF-8 text of an error reply (header arg3 = its length in bytes), after the payload
+# A PUSH_PULL/PULL reply's header: arg0 = staleness, arg1 = version, arg2 = clock, arg3 = the float64 bits of
+# the last sync step's combined-gradient squared norm on that shard (float_arg; NaN outside sync).
 
 #: longest error text a server sends back (the rest is cut)
 MAX_ERROR_TEXT = 4000
@@ -132,6 +135,16 @@ class Header:
             arg2=v[12],
             arg3=v[13],
         )
+
+
+def float_arg(value: float) -> int:
+    """A float64 carried in an int64 header field (its bit pattern; NaN and Inf travel unchanged)."""
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
+def arg_float(arg: int) -> float:
+    """The float64 whose bits :func:`float_arg` put in a header field."""
+    return float(struct.unpack("<d", struct.pack("<q", arg))[0])
 
 
 def empty_header() -> torch.Tensor:

@@ -19,7 +19,17 @@ from typing import Protocol
 import torch
 
 from ivyplug.ps.dispatch import BatchQueue
-from ivyplug.ps.messages import MAX_ERROR_TEXT, BatchAsk, Flag, Header, Kind, Status, bytes_to_words, words_to_bytes
+from ivyplug.ps.messages import (
+    MAX_ERROR_TEXT,
+    BatchAsk,
+    Flag,
+    Header,
+    Kind,
+    Status,
+    bytes_to_words,
+    float_arg,
+    words_to_bytes,
+)
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError
 
@@ -256,7 +266,9 @@ class ServerLoop(threading.Thread):
             r = fut.result()
             target = self.shards[request.shard]
             snapshot = target.bf16.encode(r.snapshot) if request.flags & Flag.BF16 else r.snapshot
-            self._reply(to, request, snapshot, arg0=r.staleness, arg1=r.version, arg2=r.clock)
+            self._reply(
+                to, request, snapshot, arg0=r.staleness, arg1=r.version, arg2=r.clock, arg3=float_arg(r.grad_sq)
+            )
         except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
             self._unanswered(to, send_exc)
 

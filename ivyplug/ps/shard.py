@@ -89,6 +89,10 @@ class Reply(NamedTuple):
     version: int
     staleness: int
     clock: int
+    #: sync mode: squared L2 norm of this shard's part of the combined gradient (sample-weighted mean, before
+    #: clipping) of the step that made ``version``; NaN in async/ssp, before the first step and after a step
+    #: whose every push was dropped. Summed over shards it gives |g_big|² for the gradient noise scale.
+    grad_sq: float = math.nan
 
 
 class PushRefused(PSProtocolError):
@@ -162,6 +166,7 @@ class Shard:
         self._sync_pushes: dict[int, _SyncPush] = {}
         self._sync_combined: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, list[bool]] | None = None
         self._norms: dict[int, dict[int, float]] = {}
+        self._grad_sq = math.nan  # the last sync step's combined-gradient squared norm (Reply.grad_sq)
         self._parked: list[tuple[int, int, Future[Reply]]] = []  # (worker, staleness, reply) not yet ready
         self._snapshot_bufs: dict[int, torch.Tensor] = {}
         # filled under the lock, emptied after it is released (_flush): replies ready, norms to send
@@ -407,6 +412,7 @@ class Shard:
         total = sum(self._sync_pushes[w][0] for w in counted)
         if not counted:  # every push of the step was dropped (non-finite): the step changes nothing
             self._sync_pushes = {}
+            self._grad_sq = math.nan
             self.version += 1
             self._release()
             return
@@ -430,8 +436,10 @@ class Shard:
         max_norm = float(hyper[0])
         self._sync_pushes = {}
         self._sync_combined = (grads, bufs, hyper, max_norm, has_grad)
+        # one float64 pass: the clipping norm, and |g_big|² that workers read for the gradient noise scale
+        sq = float(torch.linalg.vector_norm(grads, dtype=torch.float64).square()) if grads.numel() else 0.0
+        self._grad_sq = sq
         if max_norm >= 0:
-            sq = float(grads.double().pow(2).sum()) if grads.numel() else 0.0
             self._note_norm(self.version, self.shard, sq)
             if set(self.plan.nonempty_shards()) - {self.shard}:
                 self._norms_out.append((self.version, sq))
@@ -490,7 +498,7 @@ class Shard:
             out[p.offset : p.offset + p.numel].copy_(m.detach().reshape(-1))
         out[self.n_param :].copy_(self.buffers)
         self.seen[worker] = self.version
-        return Reply(out, self.version, staleness, self.clock[worker])
+        return Reply(out, self.version, staleness, self.clock[worker], self._grad_sq)
 
     def _release(self) -> None:
         """Move the pending replies the mode now allows to ``_ready`` (snapshots taken under the lock)."""

@@ -47,6 +47,11 @@ def start(model: torch.nn.Module, opt: torch.optim.Optimizer, **cfg: Any) -> PSC
     return client
 
 
+def grad_sq(model: torch.nn.Module) -> float:
+    """Squared L2 norm of ``model``'s gradients, in float64."""
+    return sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None)
+
+
 def _params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
@@ -64,6 +69,7 @@ def sync_equivalence(rank: int, world: int) -> dict[str, Any]:
         ref = mlp(seed=0)
         ref_opt = make_opt(name, ref.parameters())
         ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+        norms: list[tuple[float | None, float]] = []  # (what the client reports, the reference's |g|²)
         for step in range(5):
             x, y = batch(step, sum(sizes))
             lo = sum(sizes[:rank])
@@ -73,11 +79,13 @@ def sync_equivalence(rank: int, world: int) -> dict[str, Any]:
             sched.step()
             ref.zero_grad()
             torch.nn.functional.mse_loss(ref(x), y).backward()
+            norms.append((client.combined_grad_sq_norm, grad_sq(ref)))
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
             ref_opt.step()
             ref_sched.step()
         client.sync()
         out[name] = max_abs_diff(_params(model), _params(ref))
+        out[f"{name}_grad_sq"] = norms
         out[f"{name}_split"] = client.plan.split_tensors()  # max_shard_bytes="auto" (the default)
         out[f"{name}_balance"] = client.plan.balance
         client.close()
@@ -105,6 +113,7 @@ def buffers_rule(rank: int, world: int) -> dict[str, Any]:
                 if turn == rank:
                     client.step(sizes[rank])
                 dist.barrier()
+        out[f"{mode}_grad_sq"] = client.combined_grad_sq_norm
         client.sync()
         out[mode] = {"initial": initial, "pushed": pushed, "after": {n: b.clone() for n, b in model.named_buffers()}}
         client.close()
@@ -217,6 +226,7 @@ def dedicated_servers(rank: int, world: int) -> dict[str, Any]:
         client = start(model, opt, mode="sync", num_servers=2, timeout=60.0)
         ref = mlp(seed=10)
         ref_opt = make_opt(name, ref.parameters())
+        norms: list[tuple[float | None, float]] = []
         for step in range(3):
             x, y = batch(step, sum(sizes))
             lo = sum(sizes[:rank])
@@ -225,10 +235,12 @@ def dedicated_servers(rank: int, world: int) -> dict[str, Any]:
             client.step(sizes[rank], max_grad_norm=0.5)
             ref.zero_grad()
             torch.nn.functional.mse_loss(ref(x), y).backward()
+            norms.append((client.combined_grad_sq_norm, grad_sq(ref)))
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
             ref_opt.step()
         client.sync()
         out[name] = max_abs_diff(_params(model), _params(ref))
+        out[f"{name}_grad_sq"] = norms
         out[f"{name}_versions"] = [s["version"] for s in client.state_dict()["shards"]]
         out["procs_before_close"] = len(client.server_procs)
         client.close()

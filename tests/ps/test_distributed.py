@@ -37,6 +37,26 @@ def test_sync_two_workers_equals_one_process_on_the_concatenated_batches(world2:
     assert world2[1]["sync_equivalence"][name] <= 1e-5
 
 
+def test_sync_step_reports_the_combined_gradients_squared_norm(world2: list) -> None:
+    """|g_big|² for the gradient noise scale: the sample-weighted mean gradient's squared norm before clipping,
+    summed over shards (one on this process, one over the wire), the same on every worker; None in async."""
+    for r in world2:
+        for name in ("sgd", "adamw", "lamb"):
+            reported = [got for got, _ in r["sync_equivalence"][f"{name}_grad_sq"]]
+            want = [ref for _, ref in r["sync_equivalence"][f"{name}_grad_sq"]]
+            assert None not in reported, name
+            torch.testing.assert_close(
+                torch.tensor(reported, dtype=torch.float64),
+                torch.tensor(want, dtype=torch.float64),
+                rtol=1e-5,
+                atol=0.0,
+            )
+        assert max(want) > 0.5**2  # clipping (max_grad_norm=0.5) acted: the norm is the one before it
+        assert r["buffers"]["sync_grad_sq"] is not None
+        assert r["buffers"]["async_grad_sq"] is None
+    assert world2[0]["sync_equivalence"]["lamb_grad_sq"] == world2[1]["sync_equivalence"]["lamb_grad_sq"]
+
+
 def test_auto_sharding_splits_for_elementwise_optimizers_and_keeps_lamb_layers_whole(world2: list) -> None:
     """max_shard_bytes="auto": SGD/AdamW get balanced row blocks (the run above matched), LAMB whole tensors."""
     for r in world2:
@@ -164,6 +184,10 @@ def test_dedicated_servers_sync_equals_one_process(world2: list, name: str) -> N
     for r in world2:
         assert r["dedicated"][name] <= 1e-5
         assert r["dedicated"][f"{name}_versions"] == [3, 3]
+        got, ref = zip(*r["dedicated"][f"{name}_grad_sq"], strict=True)
+        torch.testing.assert_close(
+            torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64), rtol=1e-5, atol=0.0
+        )
     assert world2[0]["dedicated"]["procs_before_close"] == 1  # rank 0 started it (both shards) ...
     assert world2[0]["dedicated"]["procs_alive_after_close"] == 0  # ... and close() ended them
     assert world2[1]["dedicated"]["procs_before_close"] == 0

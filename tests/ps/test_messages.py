@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from ivyplug.ps.messages import HEADER_LEN, MAGIC, Header, Kind, bytes_to_words, words_to_bytes
+from ivyplug.ps.messages import HEADER_LEN, MAGIC, Header, Kind, arg_float, bytes_to_words, float_arg, words_to_bytes
 from ivyplug.ps.mirror import OptimizerSpec
 
 
@@ -51,3 +53,13 @@ def test_hyperparameters_encode_numbers_tuples_and_tensors() -> None:
         spec.decode_into(values[:-1], groups)
     with pytest.raises(ValueError, match=r"torch.optim.Optimizer"):
         OptimizerSpec.from_optimizer(object(), [p])
+
+
+def test_a_float_travels_bit_exact_in_a_header_field() -> None:
+    values = [0.0, -0.0, 1.5e-300, 123.456, -(2.0**60), math.inf, -math.inf]
+    for v in values:
+        h = Header.decode(Header(kind=Kind.REPLY, sender=0, arg3=float_arg(v)).encode())
+        back = arg_float(h.arg3)
+        assert back == v and math.copysign(1.0, back) == math.copysign(1.0, v), v
+    nan = Header.decode(Header(kind=Kind.REPLY, sender=0, arg3=float_arg(math.nan)).encode())
+    assert math.isnan(arg_float(nan.arg3))

@@ -100,6 +100,10 @@ class ServerLoop(threading.Thread):
         self.bye_from: set[int] = set()
         self.error: BaseException | None = None
         self._state_blob = b""
+        # (sender, shard) -> the buffer its pushes are received into. Reuse is safe: a shard takes a push
+        # (sync keeps a copy) before its reply goes out, and a worker sends its next push to a shard only
+        # after that reply.
+        self._push_bufs: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def shard(self) -> Shard | None:
@@ -160,7 +164,11 @@ class ServerLoop(threading.Thread):
                 if self.member is not None:
                     header.sender = 1  # the pair's other rank, whatever its header says
                     refusal = self._check_sizes(header)
-                data, hyper = self.channel.recv_request_payload(header)
+                key = (header.sender, header.shard)
+                into = self._push_bufs.get(key) if header.kind == Kind.PUSH_PULL else None
+                data, hyper = self.channel.recv_request_payload(header, into)
+                if header.kind == Kind.PUSH_PULL and data is not None:
+                    self._push_bufs[key] = data
                 if self.traffic is not None:
                     nbytes = 128 + 4 * header.numel + 8 * header.n_hyper
                     self.traffic.count(int(header.kind == Kind.PUSH_PULL), nbytes, 0)

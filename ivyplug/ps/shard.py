@@ -46,7 +46,7 @@ import torch
 from ivyplug.ps import typed_state
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.mirror import OptimizerSpec
-from ivyplug.ps.push import HYPER_PREFIX, PushFlag, decode_mask, mask_words, nonfinite_in
+from ivyplug.ps.push import HYPER_PREFIX, PushFlag, decode_mask, mask_words, nonfinite_in, squared_norm
 from ivyplug.ps.sharding import Piece, ShardPlan
 from ivyplug.ps.transport import PSProtocolError
 from ivyplug.ps.wire_codec import Bf16Codec
@@ -437,7 +437,7 @@ class Shard:
         self._sync_pushes = {}
         self._sync_combined = (grads, bufs, hyper, max_norm, has_grad)
         # one float64 pass: the clipping norm, and |g_big|² that workers read for the gradient noise scale
-        sq = float(torch.linalg.vector_norm(grads, dtype=torch.float64).square()) if grads.numel() else 0.0
+        sq = squared_norm(grads)
         self._grad_sq = sq
         if max_norm >= 0:
             self._note_norm(self.version, self.shard, sq)

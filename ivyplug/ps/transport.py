@@ -176,12 +176,19 @@ class Channel:
             wait_work(work, timeout if timeout is not None else IDLE_WAIT.total_seconds(), f"a request from rank {src}")
         return Header.decode(t)
 
-    def recv_request_payload(self, header: Header) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Receive the fp32 and fp64 payloads announced by ``header`` from its sender."""
+    def recv_request_payload(
+        self, header: Header, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Receive the fp32 and fp64 payloads announced by ``header`` from its sender.
+
+        ``into``: a buffer for the fp32 payload when its size matches (reused: a fresh multi-MB tensor per
+        push costs a page fault per 4 KiB on first touch, about as much as the receive's own copy)."""
         data = hyper = None
         works = []
         if header.numel > 0:
-            data = torch.empty(header.numel, dtype=torch.float32)
+            reuse = into is not None and into.numel() == header.numel and into.dtype == torch.float32
+            data = into if reuse else torch.empty(header.numel, dtype=torch.float32)
+            assert data is not None
             works.append(self._irecv(data, header.sender, TAG_REQUEST_DATA, f"the payload of a kind-{header.kind}"))
         if header.n_hyper > 0:
             hyper = torch.empty(header.n_hyper, dtype=torch.float64)

@@ -24,6 +24,11 @@ a scratch buffer), one large tensor at a time and small tensors in blocks of one
 calls per tensor; groups excluded from layer adaptation get torch's fused AdamW update directly. It was measured
 faster than the loop; built from plain ``_foreach`` ops it is slower than the loop on CPU (``ivyplug bench lamb``,
 docs/benchmarks.md). On accelerators it saves launches, as in torch.optim.
+
+The compiled kernel (:mod:`ivyplug.optim.compiled_kernel`, ``kernel=`` or ``IVYPLUG_LAMB_KERNEL``) takes the place
+of the CPU multi-tensor kernel for contiguous float32 tensors: two passes per tensor in C (moments and both norms;
+then the update, recomputed rather than stored), split across ``torch.get_num_threads()`` threads. The torch
+kernels stay the reference and the fallback: for every other tensor, and whenever no C compiler is at hand.
 """
 
 from __future__ import annotations
@@ -35,7 +40,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ivyplug.optim import compiled_kernel
+
 __all__ = [
+    "COMPILED_BLOCK_ELEMENTS",
+    "COMPILED_KEEP_ELEMENTS",
+    "COMPILED_SPLIT_ELEMENTS",
     "CPU_CHUNK_ELEMENTS",
     "CPU_SMALL_ELEMENTS",
     "Workspace",
@@ -53,6 +63,17 @@ CPU_CHUNK_ELEMENTS = 1 << 19
 CPU_SMALL_ELEMENTS = 1 << 15
 #: Elements per multi-tensor chunk on accelerators: bounds the scratch memory to two buffers of this size.
 DEVICE_CHUNK_ELEMENTS = 1 << 25
+#: Fewest elements per thread for the compiled kernel to split one tensor (or the gradient norm) across threads:
+#: below it the threads' start-up and the barrier cost more than the pass; such tensors are shared out whole.
+COMPILED_SPLIT_ELEMENTS = 1 << 15
+#: Elements per block that a thread of the compiled kernel claims at a time (64 KiB per buffer): small enough that
+#: a thread the OS preempts holds the others up briefly, large enough that claiming costs nothing.
+COMPILED_BLOCK_ELEMENTS = 1 << 14
+#: Elements of the update the compiled kernel may keep between its two passes over a tensor, per thread (a
+#: scratch small enough to stay in cache, in two halves); a larger tensor recomputes it from the moments instead.
+COMPILED_KEEP_ELEMENTS = 1 << 18
+#: Sums of squares above float32's range count as an overflow (not finite), as they do in the torch kernels.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 #: Below this weight decay the kernels do not fold ``1/λ`` into the scratch buffer (``c/λ`` could overflow).
 _FOLD_MIN_DECAY = 1e-12
 
@@ -107,19 +128,22 @@ class Workspace:
         """:meth:`views`, the same views flattened to 1-D, and the one contiguous 1-D tensor they tile."""
         return self._carve(tensors, slot)
 
-    def _carve(self, tensors: Sequence[Tensor], slot: int) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    def _carve(
+        self, tensors: Sequence[Tensor], slot: int, device: torch.device | None = None
+    ) -> tuple[list[Tensor], list[Tensor], Tensor]:
         first = tensors[0]
-        key = (slot, first.device, first.dtype, *(t.shape for t in tensors))
+        device = first.device if device is None else device
+        key = (slot, device, first.dtype, *(t.shape for t in tensors))
         cached = self._views.get(key)
         if cached is not None:
             return cached
-        flat_key = (slot, first.device, first.dtype)
+        flat_key = (slot, device, first.dtype)
         total = sum(t.numel() for t in tensors)
         flat = self._flat.get(flat_key)
         if flat is None or flat.numel() < total:
             # Drop views of the old buffer so its memory is released.
             self._views = {k: v for k, v in self._views.items() if k[:3] != flat_key}
-            flat = torch.empty(total, device=first.device, dtype=first.dtype)
+            flat = torch.empty(total, device=device, dtype=first.dtype)
             self._flat[flat_key] = flat
         shaped: list[Tensor] = []
         flats: list[Tensor] = []
@@ -143,6 +167,10 @@ class Workspace:
             self._constants[key] = t
         return t
 
+    def flat(self, numel: int, slot: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """An uninitialised contiguous 1-D scratch tensor of ``numel`` elements in ``slot``."""
+        return self._carve([torch.empty((numel,), device="meta", dtype=dtype)], slot, device)[2]
+
     def nbytes(self) -> int:
         """Bytes held by the scratch buffers (for memory accounting)."""
         return sum(f.numel() * f.element_size() for f in self._flat.values())
@@ -153,16 +181,33 @@ class Workspace:
         self._constants.clear()
 
 
-def global_grad_norm(grads: Sequence[Tensor], workspace: Workspace | None = None) -> Tensor:
+def global_grad_norm(grads: Sequence[Tensor], workspace: Workspace | None = None, kernel: str | None = None) -> Tensor:
     """The L2 norm of all ``grads`` together (0-dim, float32 or wider, on the first grad's device).
 
-    Not finite when any gradient element is NaN/Inf; this is how the optimizer detects a step to skip. On CPU a
-    ``workspace`` lets small gradients be stacked into a scratch buffer and summed in one call.
+    Not finite when any gradient element is NaN/Inf, or when the sum of squares leaves float32's range; this is
+    how the optimizer detects a step to skip. On CPU the compiled kernel (chosen as in :func:`lamb`) sums the
+    contiguous float32 gradients in one multi-threaded pass; otherwise a ``workspace`` lets small gradients be
+    stacked into a scratch buffer and summed in one call.
     """
     if not grads:
         return torch.zeros(())
     if all(g.is_cpu for g in grads):
-        return torch.tensor(math.sqrt(_cpu_sumsq(grads, workspace)))
+        total = 0.0
+        rest: Sequence[Tensor] = grads
+        choice = compiled_kernel.kernel_choice(kernel)
+        if choice != "torch":
+            dense = [g for g in grads if _compiled_tensor(g)]
+            lib = compiled_kernel.load(required=choice == "compiled") if dense else None
+            if lib is not None:
+                total = lib.sumsq(
+                    dense, threads=_kernel_threads(), split_min=COMPILED_SPLIT_ELEMENTS, block=COMPILED_BLOCK_ELEMENTS
+                )
+                if total > _FLOAT32_MAX:
+                    total = math.inf
+                rest = [g for g in grads if not _compiled_tensor(g)] if len(dense) < len(grads) else []
+        if rest:
+            total += _cpu_sumsq(rest, workspace)
+        return torch.tensor(math.sqrt(total))
     target = grads[0].device
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
@@ -209,6 +254,42 @@ def _cpu_sumsq(tensors: Sequence[Tensor], workspace: Workspace | None) -> float:
             torch.stack(batch, out=span.view(len(batch), *shape))
             parts.append(torch.dot(span, span).item())
     return math.fsum(parts)
+
+
+def _kernel_threads() -> int:
+    """Threads of the compiled kernel: torch's intra-op thread count, so both kernels use the same cores."""
+    return torch.get_num_threads()
+
+
+def _compiled_tensor(t: Tensor) -> bool:
+    """Whether the compiled kernel can address ``t`` by pointer: a plain dense contiguous float32 CPU tensor."""
+    return (
+        t.dtype == torch.float32
+        and t.is_cpu
+        and type(t) in _PLAIN_TENSOR_TYPES
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_neg()
+    )
+
+
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _compiled_eligible(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor) -> bool:
+    """Whether one parameter's tensors can take the compiled kernel (the rest take the torch kernels)."""
+    shape = p.shape
+    return (
+        _compiled_tensor(p)
+        and _compiled_tensor(g)
+        and _compiled_tensor(m)
+        and _compiled_tensor(v)
+        and g.shape == shape
+        and m.shape == shape
+        and v.shape == shape
+        and _compiled_tensor(step)
+        and step.numel() == 1
+    )
 
 
 def _bias_factors(step: float, beta1: float, beta2: float, eps: float, bias_correction: bool) -> tuple[float, float]:
@@ -770,6 +851,7 @@ def lamb(
     exclude_from_layer_adaptation: bool = False,
     grad_scale: float = 1.0,
     workspace: Workspace | None = None,
+    kernel: str | None = None,
 ) -> list[float | Tensor]:
     """One LAMB step over parallel lists of tensors, in place (like ``torch.optim.adam.adam``).
 
@@ -777,6 +859,12 @@ def lamb(
     clipping). Returns the trust ratio used for each tensor, in order: floats, or 0-dim tensors from the
     multi-tensor kernel on accelerators (which never syncs with the host for them). ``workspace`` holds scratch
     buffers between calls; pass the same one every step to avoid per-step allocations.
+
+    Which kernel: ``foreach`` (resolved by :func:`resolve_foreach`) picks the per-tensor reference loop or a
+    multi-tensor kernel; for the multi-tensor kernel ``kernel`` (default: the ``IVYPLUG_LAMB_KERNEL`` environment
+    variable, else ``"auto"``) picks the compiled kernel (``"compiled"``: required, an error if it cannot be
+    built; ``"auto"``: when it builds) or the torch ones (``"torch"``). The compiled kernel serves the tensors it
+    can (contiguous float32 on CPU, 0-dim float32 step counters); the others take the torch kernels.
     """
     n = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == n):
@@ -800,8 +888,109 @@ def lamb(
         grad_scale=grad_scale,
         workspace=workspace if workspace is not None else Workspace(),
     )
+    choice = compiled_kernel.kernel_choice(kernel)
     if not resolve_foreach(foreach, params):
         return _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
+    if choice != "torch":
+        fast = [i for i in range(n) if _compiled_eligible(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i])]
+        lib = compiled_kernel.load(required=choice == "compiled") if fast else None
+        if lib is not None:
+            return _compiled_lamb(lib, fast, params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
+    return _torch_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
+
+
+def _compiled_lamb(
+    lib: compiled_kernel.CompiledKernel,
+    fast: list[int],
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    max_trust_ratio: float,
+    min_trust_ratio: float,
+    exclude_from_layer_adaptation: bool,
+    grad_scale: float,
+    workspace: Workspace,
+) -> list[float | Tensor]:
+    """The compiled kernel for the tensors at indices ``fast``; the torch kernels for the rest (and for all of
+    them when two buffers overlap, which the kernel's threads could not update safely)."""
+    n = len(params)
+    hyper = dict(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+        max_trust_ratio=max_trust_ratio,
+        min_trust_ratio=min_trust_ratio,
+        exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+        grad_scale=grad_scale,
+    )
+    every = len(fast) == n
+    threads = _kernel_threads()
+    scratch = workspace.flat(threads * COMPILED_KEEP_ELEMENTS, 3, params[fast[0]].device, torch.float32)
+    lists = [list(t) if every else [t[i] for i in fast] for t in (params, grads, exp_avgs, exp_avg_sqs, steps)]
+    got = lib.lamb(
+        *lists,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+        adapt=not exclude_from_layer_adaptation,
+        min_trust_ratio=min_trust_ratio,
+        max_trust_ratio=max_trust_ratio,
+        grad_scale=grad_scale,
+        threads=threads,
+        split_min=COMPILED_SPLIT_ELEMENTS,
+        block=COMPILED_BLOCK_ELEMENTS,
+        scratch=scratch,
+    )
+    if got is None:
+        return _torch_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, workspace=workspace, **hyper)  # type: ignore[arg-type]
+    # Written through pointers: tell autograd, as torch's in-place ops would, so stale saved tensors are caught.
+    torch.autograd.graph.increment_version([*lists[0], *lists[2], *lists[3], *lists[4]])
+    if every:
+        return list(got)
+    ratios: list[float | Tensor] = [1.0] * n
+    for i, r in zip(fast, got, strict=True):
+        ratios[i] = r
+    chosen = set(fast)
+    other = [i for i in range(n) if i not in chosen]
+    part = _torch_lamb(
+        [params[i] for i in other],
+        [grads[i] for i in other],
+        [exp_avgs[i] for i in other],
+        [exp_avg_sqs[i] for i in other],
+        [steps[i] for i in other],
+        workspace=workspace,
+        **hyper,  # type: ignore[arg-type]
+    )
+    for i, ratio in zip(other, part, strict=True):
+        ratios[i] = ratio
+    return ratios
+
+
+def _torch_lamb(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    **hyper: object,
+) -> list[float | Tensor]:
+    """The torch multi-tensor kernels, one call per (device, dtype) group, ratios in the caller's order."""
+    n = len(params)
     # foreach lists must share device and dtype: run the kernel per (device, dtype) group, keep the caller's order.
     dtype = params[0].dtype if params else None
     if params and params[0].is_cpu and all(p.dtype == dtype and p.is_cpu for p in params):  # the common case, cheaply

@@ -12,7 +12,9 @@ Policies (documented choices):
   ``.grad`` tensors themselves are left untouched.
 * **Kernel choice**: ``foreach=None`` resolves at the first step by the device rule of
   :func:`ivyplug.optim.functional.resolve_foreach`, and the resolved bool is written into the param group, so it
-  is saved in ``state_dict()`` and a resumed run uses the same kernel.
+  is saved in ``state_dict()`` and a resumed run uses the same kernel. On CPU the multi-tensor kernel is the
+  compiled one where a C compiler exists (``IVYPLUG_LAMB_KERNEL=auto|torch|compiled``, see
+  :mod:`ivyplug.optim.compiled_kernel`), which also sums the gradient norm; the torch kernels otherwise.
 * **Loading**: ``load_state_dict`` accepts what ``torch.optim.Adam`` accepts. A saved param group that lacks one
   of LAMB's hyperparameters (a hand-written or foreign checkpoint) keeps the value of the group it replaces, and
   a per-parameter ``step`` stored as a Python number becomes LAMB's 0-dim float32 counter.

@@ -11,26 +11,44 @@ import pytest
 import torch
 from torch import nn
 
-from ivyplug.optim import LAMB, lamb, lamb_param_groups
+from ivyplug.optim import LAMB, compiled_kernel, lamb, lamb_param_groups
 from ivyplug.optim import functional as F
 from tests.optim.reference import RefGroup, RefLamb
 
 STEPS = 32
-KERNELS = ["loop", "fused", "fused_pieces", "plain"]
+KERNELS = ["loop", "fused", "fused_pieces", "plain", "compiled", "compiled_split"]
+#: The compiled kernel's tests need a C compiler; without one ivyplug runs the torch kernels (tested above).
+NO_COMPILER = compiled_kernel._compiler() is None
+NO_COMPILER_REASON = "no C compiler (CC, or cc/gcc/clang on PATH): the compiled LAMB kernel cannot be built here"
 
 
 @pytest.fixture
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """``loop``: the per-tensor reference; ``fused``: multi-tensor with torch's fused Adam moments (CPU default);
-    ``fused_pieces``: the same with its size thresholds shrunk, so that these small tensors take the large-tensor
-    path, split into pieces, next to size blocks of several tensors; ``plain``: multi-tensor from ``_foreach`` ops
-    only (what accelerators run). Returns the ``foreach`` flag."""
-    if request.param == "plain":
+    """``loop``: the per-tensor reference; ``fused``: multi-tensor with torch's fused Adam moments; ``fused_pieces``:
+    the same with its size thresholds shrunk, so that these small tensors take the large-tensor path, split into
+    pieces, next to size blocks of several tensors; ``plain``: multi-tensor from ``_foreach`` ops only (what
+    accelerators run); ``compiled``: the compiled kernel (CPU default where a C compiler exists);
+    ``compiled_split``: the same on three threads with its thresholds shrunk, so that these small tensors are cut
+    into blocks the threads share, some keeping the update between the passes and some recomputing it. Returns
+    the ``foreach`` flag."""
+    name = request.param
+    if name.startswith("compiled"):
+        if NO_COMPILER:
+            pytest.skip(NO_COMPILER_REASON)
+        monkeypatch.setenv(compiled_kernel.KERNEL_ENV, "compiled")
+        if name == "compiled_split":
+            monkeypatch.setattr(F, "COMPILED_SPLIT_ELEMENTS", 2)
+            monkeypatch.setattr(F, "COMPILED_BLOCK_ELEMENTS", 5)
+            monkeypatch.setattr(F, "COMPILED_KEEP_ELEMENTS", 40)
+            monkeypatch.setattr(F, "_kernel_threads", lambda: 3)
+    else:
+        monkeypatch.setenv(compiled_kernel.KERNEL_ENV, "torch")
+    if name == "plain":
         monkeypatch.setattr(F, "fused_moments_supported", lambda device, dtype: False)
-    if request.param == "fused_pieces":
+    if name == "fused_pieces":
         monkeypatch.setattr(F, "CPU_SMALL_ELEMENTS", 16)
         monkeypatch.setattr(F, "CPU_CHUNK_ELEMENTS", 64)
-    return request.param != "loop"
+    return name != "loop"
 
 
 def test_fused_moments_serve_cpu_float32() -> None:
@@ -146,7 +164,7 @@ def _random_model(seed: int) -> nn.Module:
     )
 
 
-@pytest.mark.parametrize("kernel", ["fused", "fused_pieces", "plain"], indirect=True)
+@pytest.mark.parametrize("kernel", ["fused", "fused_pieces", "plain", "compiled", "compiled_split"], indirect=True)
 @pytest.mark.parametrize("seed", [3, 4])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.7])
 def test_foreach_matches_loop(kernel: bool, seed: int, max_grad_norm: float | None) -> None:
@@ -197,7 +215,7 @@ def _zoo_grads(gen: torch.Generator) -> list[torch.Tensor]:
     ]
 
 
-@pytest.mark.parametrize("kernel", ["fused", "fused_pieces"], indirect=True)
+@pytest.mark.parametrize("kernel", ["fused", "fused_pieces", "compiled", "compiled_split"], indirect=True)
 @pytest.mark.parametrize("weight_decay", [0.05, 0.0, 1e-13])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])
 @pytest.mark.parametrize("exclude", [False, True])
@@ -381,6 +399,7 @@ def test_state_dict_round_trip_continues_bit_identically(foreach: bool | None) -
 
 
 def test_kernel_choice_is_resolved_recorded_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiled_kernel.KERNEL_ENV, "torch")  # the compiled kernel's routing: test_compiled_kernel
     p = nn.Parameter(torch.randn(4, 4))
     opt = LAMB([p])
     assert opt.param_groups[0]["foreach"] is None

@@ -20,10 +20,15 @@ How it works (all decisions at epoch boundaries, agreed by every rank):
   throughput × statistical efficiency (:mod:`ivyplug.load.goodput`), rises by ``goodput_threshold``. Under
   ``ddp`` the share-weighting hook sees both gradients the noise scale needs: this rank's own (before the
   all-reduce) and the combined one (after it); each rank sends the epoch's mean estimates of |G|² and tr(Σ)
-  (two scalars) with its epoch record, rank 0 smooths them (EMA) into B_noise. The throughput side is the
+  (two scalars) with its epoch record, rank 0 smooths them (EMA) into B_noise. Under ``ivy_ps`` sync the
+  servers form the combined gradient: this rank's own norm is taken from ``.grad`` in
+  ``on_before_optimizer_step`` (after the last accumulated micro-batch, before the push) and the combined one
+  is the squared norm the servers report with the step's reply (``PSClient.combined_grad_sq_norm``), with b =
+  this rank's samples of the optimizer step and B = the step's global samples. The throughput side is the
   measured wall seconds per step, split into a fixed part and the compute part (taken to scale with B).
-  Where the estimate is unavailable (one process; ``ivy_ps``, whose servers combine the gradients out of
-  sight) B does not grow, with one warning naming why.
+  Where the estimate is unavailable (one process; ``ivy_ps`` async/ssp, where each push is applied alone, so
+  no step has a combined gradient; a local-update optimizer, which pushes parameter deltas) B does not grow,
+  with one warning naming why.
 - Under ``ddp`` a communication hook registered in ``on_fit_start`` multiplies each rank's gradient
   by b_i/B and all-reduces with SUM (a user's own ``ddp_comm_hook`` is composed, or refused with
   ``comm_hook="refuse"``). Under ``ivy_ps`` sync the strategy already weights by sample counts.
@@ -247,6 +252,7 @@ class IvyLoadBalancer(Callback):
         self._sampler: Sampler | None = None
         self._share_sampler: ShareBatchSampler | None = None
         self._hook_state: ShareHookState | None = None
+        self._ps_noise = False  # ivy_ps sync with the goodput rule: the noise scale from the PS's combined norm
         self._oom: OOMRecovery | None = None
         self._user_hook: tuple[Any, Any] | None = None
         self._taken_hook: tuple[Any, Any] | None = None
@@ -287,12 +293,22 @@ class IvyLoadBalancer(Callback):
             trainer_any.reload_dataloaders_every_n_epochs = 1
         strategy = trainer.strategy
         self.goodput_unavailable = None
+        self._ps_noise = False
+        ps_config = getattr(strategy, "ps_config", None)
         if self._world == 1:
             self.goodput_unavailable = "one process sees its gradient at one batch size only, the noise scale needs two"
-        elif getattr(strategy, "ps_config", None) is not None or not isinstance(strategy, DDPStrategy):
+        elif ps_config is not None and getattr(strategy, "is_async", False):
             self.goodput_unavailable = (
-                f"under {type(strategy).__name__} the combined gradient is formed where this callback cannot see it "
-                "(the parameter servers apply it and the workers pull parameters), the noise scale needs it"
+                f"under ivy_ps {ps_config.mode} the servers apply each worker's push on arrival, alone, so no step "
+                "has a combined gradient of several workers, and the noise scale needs the gradient at two batch "
+                "sizes of one step"
+            )
+        elif ps_config is not None:  # sync: the servers report the combined gradient's norm with each step
+            self._ps_noise = True
+        elif not isinstance(strategy, DDPStrategy):
+            self.goodput_unavailable = (
+                f"under {type(strategy).__name__} the combined gradient is formed where this callback cannot see it, "
+                "the noise scale needs it"
             )
         if getattr(strategy, "is_async", False):
             self._monitor_only("the ivy_ps async/ssp strategy hands out batches itself")
@@ -357,13 +373,28 @@ class IvyLoadBalancer(Callback):
                 ) from exc
         elif self._user_hook is not None:
             raise RuntimeError("a ddp_comm_hook was given but the model is not wrapped in DistributedDataParallel")
+        elif self._ps_noise:
+            from ivyplug.ps.local_updates import LocalUpdates
+
+            if any(isinstance(opt, LocalUpdates) for opt in trainer.optimizers):
+                self._ps_noise = False
+                self.goodput_unavailable = (
+                    "a local-update optimizer (AsyncLAMB) pushes parameter deltas, not gradients, so the servers' "
+                    "combined norm is not a gradient's"
+                )
         elif self.goodput_unavailable is None:
             self.goodput_unavailable = "the model is not wrapped in DistributedDataParallel, so no gradient is seen"
+        # this rank's own gradient norm per optimizer step: paid only where the goodput rule uses it
+        self._ps_noise = self._ps_noise and self.adapt_batch_size and self._goodput_on()
         if self.goodput_unavailable is not None and self.adapt_batch_size and self._goodput_on():
+            held = (
+                "the batch size and shares stay fixed (monitoring only)"
+                if self.monitoring_only is not None
+                else "the batch size will not grow (it still shrinks on memory pressure)"
+            )
             rank_zero_warn(
                 f"IvyLoadBalancer(goodput=True): no gradient noise scale estimate: {self.goodput_unavailable}; "
-                "the batch size will not grow (it still shrinks on memory pressure). Pass goodput=False to let "
-                "utilisation and memory alone decide."
+                f"{held}. Pass goodput=False to let utilisation and memory alone decide."
             )
         self._accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         if self.oom_recovery and pl_module.automatic_optimization:
@@ -434,6 +465,11 @@ class IvyLoadBalancer(Callback):
         # sums over this epoch's steps of the per-step (|G|², tr(Σ)) estimates, and how many steps were finite
         self._noise_sum: torch.Tensor | None = None
         self._noise_count: torch.Tensor | None = None
+        # ivy_ps sync: this rank's and the global samples of the micro-batches since the last optimizer step, and
+        # (|own gradient|², b, B) of an optimizer step whose combined norm the PS reports after the push
+        self._since_step_local = 0
+        self._since_step_global = 0
+        self._ps_pending: tuple[torch.Tensor, int, int] | None = None
 
     def _count_oom(self) -> None:
         self.oom_count += 1
@@ -470,6 +506,8 @@ class IvyLoadBalancer(Callback):
             self._step_global = self._step_samples * self._world
             if hook_state is not None:
                 hook_state.weight = 1.0 / self._world
+        self._since_step_local += self._step_samples
+        self._since_step_global += self._step_global
         if hook_state is not None:
             hook_state.last_bucket_time = None
             if hook_state.measure_noise:
@@ -482,6 +520,27 @@ class IvyLoadBalancer(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t_backward = now = time.perf_counter()
         self.hook_breakdown["batch"] += time.perf_counter() - now
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """ivy_ps sync: keep |this rank's gradient|² of the optimizer step about to be pushed (a 0-d tensor).
+
+        Lightning calls this once per optimizer step, after the last accumulated micro-batch's backward: ``.grad``
+        then holds this rank's mean gradient over its samples of the step (the loss of each of the k
+        micro-batches is divided by k), b of them; the step's combined gradient is the servers' sample-weighted
+        mean over the B samples of every rank. The norm is taken before clipping, as the servers' is.
+        """
+        b, big = self._since_step_local, self._since_step_global
+        self._since_step_local = self._since_step_global = 0
+        if not self._ps_noise:
+            return
+        start = time.perf_counter()
+        grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
+        if grads and big > b > 0:
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+            self._ps_pending = (norms.square().sum(), b, big)
+        self.hook_breakdown["batch"] += time.perf_counter() - start
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -501,19 +560,33 @@ class IvyLoadBalancer(Callback):
         self._last_end = now
         if self._hook_state is not None and self._hook_state.measure_noise:
             self._noise_step(self._hook_state)
+        if self._ps_pending is not None:  # the optimizer step ran: the PS reply carried the combined norm
+            self._ps_noise_step(trainer, *self._ps_pending)
+            self._ps_pending = None
         if self.steps % self._log_every == 0:
             self._log_step()
         self.hook_breakdown["batch"] += time.perf_counter() - now
 
     def _noise_step(self, state: ShareHookState) -> None:
-        """Add this step's (|G|², tr(Σ)) estimate to the epoch's sums, as tensors (no device sync per step)."""
+        """ddp: this step's per-bucket squared norms, seen by the share-weighting hook, into the epoch's sums."""
         local, combined = state.local_sq, state.combined_sq
         b = self._step_samples * self._accumulate
         big = self._step_global * self._accumulate
         if not local or len(local) != len(combined) or big <= b:
             return
-        small_sq = torch.stack(local).sum()
-        big_sq = torch.stack(combined).sum()
+        self._add_noise(torch.stack(local).sum(), b, torch.stack(combined).sum(), big)
+
+    def _ps_noise_step(self, trainer: pl.Trainer, small_sq: torch.Tensor, b: int, big: int) -> None:
+        """ivy_ps sync: this rank's |gradient|² at b and the servers' |combined gradient|² at B into the sums."""
+        client = getattr(trainer.strategy, "client", None)
+        big_sq = getattr(client, "combined_grad_sq_norm", None)  # None: not reported for this step
+        if big_sq is not None:
+            self._add_noise(small_sq, b, torch.tensor(float(big_sq), dtype=small_sq.dtype), big)
+
+    def _add_noise(self, small_sq: torch.Tensor, b: int, big_sq: torch.Tensor, big: int) -> None:
+        """Add one step's (|G|², tr(Σ)) estimate (:func:`~ivyplug.load.goodput.noise_components`) to the epoch's
+        sums, as tensors (no device sync per step); a non-finite estimate is left out and not counted."""
+        big_sq = big_sq.to(small_sq.device)
         values = torch.stack([(big * big_sq - b * small_sq) / (big - b), (small_sq - big_sq) / (1.0 / b - 1.0 / big)])
         finite = torch.isfinite(values).all()
         values = torch.where(finite, values, torch.zeros_like(values))

@@ -209,8 +209,61 @@ def test_ivy_ps_async_is_monitored_only() -> None:
         cb.setup(trainer, DigitsMLP(), "fit")
     try:
         assert cb.monitoring_only is not None
+        # and no noise scale: each push is applied alone, so no step has a combined gradient
+        assert cb.goodput_unavailable is not None and "push on arrival, alone" in cb.goodput_unavailable
+        assert not cb._ps_noise
     finally:
         cb.teardown(trainer, DigitsMLP(), "fit")
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_ivy_ps_sync_noise_step_pairs_own_norm_at_b_with_the_servers_norm_at_big_b(reported: bool) -> None:
+    """Rank 1 of 2 with shares 32/16 and accumulate_grad_batches=2: the optimizer step covers b = 2 x 16 of its
+    samples and B = 2 x 48 in all; its own |g|² is taken from .grad before the push, the combined one from the PS
+    reply. The epoch's estimate equals the closed form (noise_components); no reported norm: no estimate."""
+    from types import SimpleNamespace
+
+    from ivyplug.integrations.lightning import IvyPSStrategy
+
+    from ivyplug.load.goodput import noise_components
+
+    trainer = pl.Trainer(strategy=IvyPSStrategy(mode="sync"), **trainer_kwargs(devices=2))
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([IDLE])], interval=0.05)
+    module = DigitsMLP()
+    cb.setup(trainer, module, "fit")
+    try:
+        assert cb.goodput_unavailable is None and cb._ps_noise  # sync: the servers report the combined norm
+        cb._rank = 1
+        cb._share_sampler = ShareBatchSampler(
+            num_samples=192, batch_size=48, shares=[32, 16], rank=1, epoch=0, seed=0, shuffle=True
+        )
+        cb._reset_epoch()
+        torch.manual_seed(0)
+        grads = [torch.randn_like(p) for p in module.parameters()]
+        for p, g in zip(module.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        own_sq = float(sum(g.double().square().sum() for g in grads))
+        big_sq = 0.25 * own_sq
+        client = SimpleNamespace(combined_grad_sq_norm=big_sq if reported else None)
+        fake = SimpleNamespace(strategy=SimpleNamespace(client=client))
+        for batch_idx in (0, 1):  # two micro-batches, then the optimizer step (Lightning's order)
+            cb.on_train_batch_start(trainer, module, None, batch_idx)
+            if batch_idx == 1:
+                cb.on_before_optimizer_step(trainer, module, torch.optim.SGD(module.parameters(), lr=0.1))
+            cb.on_train_batch_end(fake, module, None, None, batch_idx)  # type: ignore[arg-type]
+        record = cb._noise_record()
+        if not reported:
+            assert record["noise_steps"] == 0
+            return
+        assert record["noise_steps"] == 1
+        grad_sq, trace = noise_components(own_sq, 32, big_sq, 96)
+        assert record["noise_grad_sq"] == pytest.approx(grad_sq, rel=1e-5)
+        assert record["noise_trace"] == pytest.approx(trace, rel=1e-5)
+        # the control: b and B of one micro-batch (16, 48) would give another estimate
+        wrong = noise_components(own_sq, 16, big_sq, 48)
+        assert record["noise_trace"] != pytest.approx(wrong[1], rel=1e-3)
+    finally:
+        cb.teardown(trainer, module, "fit")
 
 
 def test_resume_from_a_checkpoint_continues_with_the_saved_batch_size(tmp_path: Path) -> None:

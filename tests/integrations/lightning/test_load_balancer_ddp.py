@@ -3,10 +3,11 @@
 Shares: a slowed rank's share falls and the gap closes, every sample is still used once per epoch, a user's comm
 hook is composed (ddp), an OOM on one rank is recovered by micro-batches, and the replicas stay equal.
 
-Goodput, on digits: the balancer in its default configuration (goodput on; a scripted idle probe, so the
-utilisation rule asks to grow every time) reaches 97% validation accuracy in no more steps than the same fit
-without the balancer and ends within 0.5 points of it; the control, goodput off, grows where goodput on holds
-and ends below the fit without the balancer."""
+Goodput, on digits, under ``ddp`` and ``ivy_ps`` sync: the balancer in its default configuration (goodput on; a
+scripted idle probe, so the utilisation rule asks to grow every time) reaches 97% validation accuracy in no more
+steps than the same fit without the balancer and ends within 0.5 points of it, with a noise-scale estimate under
+both (ivy_ps sync's from the servers' combined norm matches ddp's); the control, goodput off, grows where
+goodput on holds and ends below the fit without the balancer."""
 
 from __future__ import annotations
 
@@ -165,13 +166,19 @@ def test_goodput_balancer_is_not_slower_and_as_accurate(fits: dict[str, dict], s
     assert reached is not None and reached["steps"] <= reached_base["steps"], (reached, reached_base)
     final_base, final = base["curve"][-1]["acc"], balanced["curve"][-1]["acc"]
     assert abs(final - final_base) <= 0.005 + 1e-9, (final, final_base)  # NaN fails: abs(nan) <= x is False
-    if strategy == "ivy_ps_sync":  # the servers combine the gradients: no estimate, so no growth, and it says why
-        assert "parameter servers" in balanced["goodput_unavailable"]
-        assert all(h["next_batch_size"] == 64 and "goodput unknown" in h["reason"] for h in balanced["history"])
-    else:  # DDP: both gradients are seen; the noise scale grows as the loss falls (McCandlish et al.)
-        assert balanced["goodput_unavailable"] is None
-        known = [h["noise_scale"] for h in balanced["history"] if h["noise_scale"] is not None]
-        assert len(known) >= EPOCHS["ddp"] - 2 and all(n > 0 for n in known) and known[-1] > 2 * known[0], known
+    # both gradients are seen (ddp: the comm hook; ivy_ps sync: .grad before the push and the norm the servers
+    # report with the step); the noise scale grows as the loss falls (McCandlish et al.)
+    assert balanced["goodput_unavailable"] is None
+    # while |G|² is large (the first half) every epoch has an estimate; late, as |G|² nears zero, its estimate
+    # (B|g_B|² - b|g_b|²)/(B - b) can average below zero for an epoch: then B_noise is unknown and B holds
+    early = [h["noise_scale"] for h in balanced["history"][: EPOCHS[strategy] // 2]]
+    assert all(n is not None and n > 0 for n in early), early
+    known = [h["noise_scale"] for h in balanced["history"] if h["noise_scale"] is not None]
+    assert all(n > 0 for n in known) and known[-1] > 2 * known[0], known
+    if strategy == "ivy_ps_sync":  # sync PS = DDP's math on the same batches: the same first-epoch estimate
+        ddp_first = fits["ddp_goodput"]["history"][0]["noise_scale"]
+        first = balanced["history"][0]["noise_scale"]
+        assert ddp_first is not None and first == pytest.approx(ddp_first, rel=0.02), (first, ddp_first)
 
 
 @pytest.mark.slow

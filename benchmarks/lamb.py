@@ -20,9 +20,11 @@ Why it is built this way:
   core counts compare.
 * ``os.getloadavg()`` is recorded before and after each part: a load above the core count means the numbers are
   inflated by other processes.
-* The CPU kernel's passes over the large tensors are timed one by one inside its sequence, and other orders of
-  the same torch operations (:data:`SEQUENCES`) as whole steps next to fused AdamW: what the kernel's own order
-  costs against the alternatives, and what the all-or-nothing gradient check costs.
+* The torch CPU kernel's passes over the large tensors are timed one by one inside its sequence, and other orders
+  of the same torch operations (:data:`SEQUENCES`), and the compiled kernel, as whole steps next to fused AdamW:
+  what each order costs against the alternatives, and what the all-or-nothing gradient check costs.
+* ivyplug's default LAMB row is the compiled kernel where a C compiler exists (each child builds or loads it
+  before timing and records which kernel the default is); the torch multi-tensor kernel has its own row.
 
 timm's and torch-optimizer's ``Lamb`` are measured only when importable (they are not ivyplug dependencies).
 """
@@ -54,7 +56,8 @@ RAISED_MALLOC_ENV = {
 }
 BYTES_PER_ELEMENT = 28
 REFERENCE = "AdamW fused=True"
-LAMB_DEFAULT = "ivyplug LAMB (default: multi-tensor)"
+LAMB_DEFAULT = "ivyplug LAMB (default: compiled kernel)"
+LAMB_TORCH = "ivyplug LAMB multi-tensor torch kernel"
 TORCH_OPTIMIZER = "torch-optimizer Lamb"
 #: ivyplug's LAMB (default kernel) at most this many times fused AdamW's step time, with either allocator setting.
 TARGET_VS_FUSED_ADAMW = 1.8
@@ -88,14 +91,30 @@ def _contenders() -> list[tuple[str, Callable[[list[Any]], Any] | None, str]]:
     """(name, factory or None, status). A factory returns a step function."""
     import torch
 
-    from ivyplug.optim import LAMB
+    from ivyplug.optim import LAMB, compiled_kernel
     from ivyplug.optim import functional as lamb_functional
 
     def stepper(opt: Any) -> Callable[[], None]:
         return lambda: opt.step()
 
+    def torch_kernel(opt: Any) -> Callable[[], None]:
+        """``opt.step()`` with ivyplug's torch kernels (``IVYPLUG_LAMB_KERNEL=torch``), whatever the default."""
+
+        def step() -> None:
+            saved = os.environ.get(compiled_kernel.KERNEL_ENV)
+            os.environ[compiled_kernel.KERNEL_ENV] = "torch"
+            try:
+                opt.step()
+            finally:
+                if saved is None:
+                    del os.environ[compiled_kernel.KERNEL_ENV]
+                else:
+                    os.environ[compiled_kernel.KERNEL_ENV] = saved
+
+        return step
+
     def plain_foreach_lamb(params: list[Any]) -> Callable[[], None]:
-        opt = LAMB(params, weight_decay=0.01, foreach=True)
+        run = torch_kernel(LAMB(params, weight_decay=0.01, foreach=True))
         cache = lamb_functional._FUSED_MOMENTS_SUPPORT
         key = (params[0].device, params[0].dtype)
 
@@ -103,7 +122,7 @@ def _contenders() -> list[tuple[str, Callable[[list[Any]], Any] | None, str]]:
             saved = cache.get(key)
             cache[key] = False  # the kernel accelerators run: plain _foreach ops, no fused moments
             try:
-                opt.step()
+                run()
             finally:
                 if saved is None:
                     cache.pop(key, None)
@@ -116,8 +135,13 @@ def _contenders() -> list[tuple[str, Callable[[list[Any]], Any] | None, str]]:
         ("AdamW foreach=False", lambda ps: stepper(torch.optim.AdamW(ps, weight_decay=0.01, foreach=False)), "ok"),
         ("AdamW foreach=True", lambda ps: stepper(torch.optim.AdamW(ps, weight_decay=0.01, foreach=True)), "ok"),
         (REFERENCE, lambda ps: stepper(torch.optim.AdamW(ps, weight_decay=0.01, fused=True)), "ok"),
-        ("ivyplug LAMB loop (foreach=False)", lambda ps: stepper(LAMB(ps, weight_decay=0.01, foreach=False)), "ok"),
+        (
+            "ivyplug LAMB loop (foreach=False)",
+            lambda ps: torch_kernel(LAMB(ps, weight_decay=0.01, foreach=False)),
+            "ok",
+        ),
         (LAMB_DEFAULT, lambda ps: stepper(LAMB(ps, weight_decay=0.01)), "ok"),
+        (LAMB_TORCH, lambda ps: torch_kernel(LAMB(ps, weight_decay=0.01)), "ok"),
         ("ivyplug LAMB multi-tensor, plain _foreach ops", plain_foreach_lamb, "ok"),
         (
             "ivyplug LAMB default + max_grad_norm=1",
@@ -222,7 +246,7 @@ def _measure_size(
     }
 
 
-#: The passes of ivyplug's CPU kernel over one large tensor, in the order it runs them (see ``_pass_breakdown``).
+#: The passes of ivyplug's torch CPU kernel over one large tensor, in the order it runs them (``_pass_breakdown``).
 PASSES = ("gradient norm", "copy x", "‖x‖", "fused moments", "‖u‖", "update x")
 
 
@@ -304,6 +328,8 @@ SEQUENCES = {
     "(‖u‖ from the three), lerp x",
     "no gradient pass": "per tensor: copy x as x + 0·g, then as the kernel; no all-or-nothing skip (reference only: "
     "a NaN is seen only when its tensor comes)",
+    "compiled kernel": "ivyplug's compiled kernel: gradient pass in C; per tensor, moments and both norms in one pass, "
+    "then the update (only where a C compiler exists)",
 }
 
 
@@ -323,6 +349,8 @@ def _sequence_steps(
 
     import torch
 
+    from ivyplug.optim import compiled_kernel
+    from ivyplug.optim import functional as lamb_functional
     from ivyplug.optim.functional import _fused_adam_direction, trust_ratio
 
     scratch = torch.empty(max(w.numel() for w in weights))
@@ -376,12 +404,31 @@ def _sequence_steps(
             r = trust_ratio(math.sqrt(x_sq), u_norm, 0.0, 10.0)
             w.lerp_(d_flat.view(w.shape), lr * r * decay)
 
-    return {
+    runs = {
         "kernel": kernel,
         "fused moments on x": fused_on_x,
         "zeroed direction": zeroed_direction,
         "no gradient pass": lambda: kernel(pre_pass=False),
     }
+    lib = compiled_kernel.load()
+    if lib is None:
+        return runs
+    threads = torch.get_num_threads()
+    sizes = dict(split_min=lamb_functional.COMPILED_SPLIT_ELEMENTS, block=lamb_functional.COMPILED_BLOCK_ELEMENTS)
+    keep = torch.empty(threads * lamb_functional.COMPILED_KEEP_ELEMENTS)
+    own_steps = [torch.zeros(()) for _ in steps]  # the kernel advances its counters: these, set to the caller's - 1
+
+    def compiled() -> None:
+        if not math.isfinite(lib.sumsq(grads, threads=threads, **sizes)):
+            return
+        torch._foreach_copy_(own_steps, list(steps))
+        torch._foreach_sub_(own_steps, 1.0)
+        lib.lamb(weights, grads, exp_avgs, exp_avg_sqs, own_steps, lr=lr, beta1=0.9, beta2=0.999, eps=1e-6,
+                 weight_decay=decay, bias_correction=True, adapt=True, min_trust_ratio=0.0, max_trust_ratio=10.0,
+                 grad_scale=1.0, threads=threads, scratch=keep, **sizes)  # fmt: skip
+
+    runs["compiled kernel"] = compiled
+    return runs
 
 
 def _sequences(
@@ -416,8 +463,12 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
     """One allocator setting, measured in this (fresh) process."""
     import torch
 
+    from ivyplug.optim import compiled_kernel
+
     if config.get("threads"):
         torch.set_num_threads(int(config["threads"]))
+    lib = compiled_kernel.load()  # built here, not inside the first timed step
+    lamb_kernel = "compiled" if lib is not None else f"torch ({compiled_kernel.unavailable_reason()})"
     load_before = os.getloadavg()
     warmup_s = float(config.get("warmup_s", 0.0))
     sizes = [
@@ -431,6 +482,7 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
         "torch": torch.__version__,
         "pass_breakdown": breakdown,
         "torch_threads": torch.get_num_threads(),
+        "lamb_kernel": lamb_kernel,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "sizes": sizes,
@@ -565,7 +617,10 @@ def format_table(results: dict[str, Any]) -> str:
     for setting, child in results["settings"].items():
         env = ", ".join(f"{k}={v}" for k, v in sorted(child["malloc_env"].items())) or "glibc defaults"
         lines.append("")
-        lines.append(f"### allocator: {setting} ({env}); torch {child['torch']}, {child['torch_threads']} threads")
+        lines.append(
+            f"### allocator: {setting} ({env}); torch {child['torch']}, {child['torch_threads']} threads; "
+            f"ivyplug's default CPU kernel: {child['lamb_kernel']}"
+        )
         before, after = _fmt_load(child["loadavg_before"]), _fmt_load(child["loadavg_after"])
         lines.append(f"load average before {before}, after {after}")
         for size in child["sizes"]:
@@ -590,8 +645,8 @@ def format_table(results: dict[str, Any]) -> str:
         b = child["pass_breakdown"]
         lines.append("")
         lines.append(
-            f"**passes of the CPU kernel** at {b['size']} ({b['tensors']} large tensors, {b['elements']:,} elements; "
-            f"median of {b['rounds']} rounds, ns per element, each pass timed inside the kernel's sequence):"
+            f"**passes of the torch CPU kernel** at {b['size']} ({b['tensors']} large tensors, {b['elements']:,} "
+            f"elements; median of {b['rounds']} rounds, ns per element, each pass timed inside the kernel's sequence):"
         )
         lines.append("")
         names = [*PASSES, "AdamW fused=True"]

@@ -34,6 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not a measurement)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results here as JSON")
     parser.add_argument(
+        "--plot", type=Path, metavar="PNG", help="ps, balance, scale: also draw the results' figure here (matplotlib)"
+    )
+    parser.add_argument(
         "--keras", action="store_true", help="lamb only: also compare the Keras LAMB with Keras's Lamb and AdamW"
     )
     parser.add_argument(
@@ -47,6 +50,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHMARKS[args.name])
     extra: dict[str, object] = {}
+    draw = None
+    if getattr(args, "plot", None):
+        from ivyplug.benchmarks.plots import PLOTS
+
+        if args.name not in PLOTS:
+            print(
+                f"ivyplug bench {args.name}: --plot draws {', '.join(sorted(PLOTS))} (averaging: "
+                "python -m ivyplug.benchmarks.averaging_plot)",
+                file=sys.stderr,
+            )
+            return 2
+        draw = PLOTS[args.name]
     if getattr(args, "keras", False):
         if "keras" not in inspect.signature(module.run).parameters:
             print(f"ivyplug bench {args.name}: --keras applies to 'lamb' only", file=sys.stderr)
@@ -71,4 +86,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
+    if draw is not None:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {draw(json.loads(text), args.plot)}", file=sys.stderr)
     return 0

@@ -62,7 +62,7 @@ class AsyncLAMB(LAMB):
         merge_rate: float | None = None,
         outer: str = "average",
         outer_lr: float | None = None,
-        outer_momentum: float = 0.9,
+        outer_momentum: float | None = None,
         outer_momentum_every: int | None = None,
         **kwargs: Any,
     ) -> None:

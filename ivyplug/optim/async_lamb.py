@@ -72,7 +72,7 @@ class AsyncLAMB(LocalUpdates):
         merge_rate: float | None = None,
         outer: str = "average",
         outer_lr: float | None = None,
-        outer_momentum: float = 0.9,
+        outer_momentum: float | None = None,
         outer_momentum_every: int | None = None,
     ) -> None:
         # the new arguments' errors come before LAMB's own checks

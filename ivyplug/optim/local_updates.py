@@ -51,9 +51,10 @@ class LocalUpdates(torch.optim.Optimizer):
         outer: ``"average"``, ``"nesterov"`` or ``"lamb"``: how the servers merge a delta.
         merge_rate: ``"average"``: the share of a delta applied; ``None``: 1.0 in sync mode, 1/num_workers in
             async/ssp.
-        outer_lr: ``"nesterov"``/``"lamb"``: the outer learning rate; ``None``: 0.7 for nesterov, 0.01 for lamb
-            in sync mode (0.01/num_workers in async/ssp).
-        outer_momentum: Nesterov's momentum β, LAMB's β1; default 0.9.
+        outer_lr: ``"nesterov"``/``"lamb"``: the outer learning rate; ``None``: 0.7 for nesterov, 0.04 for lamb
+            in sync mode (0.04/num_workers in async/ssp).
+        outer_momentum: Nesterov's momentum β, LAMB's β1; ``None``: 0.5 for nesterov, 0.9 for lamb (see
+            :data:`ivyplug.ps.delta_exchange.DEFAULT_OUTER_MOMENTUM`).
         outer_momentum_every: ``"nesterov"``: merges per momentum update (delayed Nesterov); ``None``: 1 in
             sync mode, num_workers in async/ssp.
         max_trust_ratio: ``"lamb"``: the upper clip of the outer trust ratio; default 10.0.
@@ -85,7 +86,7 @@ class LocalUpdates(torch.optim.Optimizer):
         outer: str = "average",
         merge_rate: float | None = None,
         outer_lr: float | None = None,
-        outer_momentum: float = 0.9,
+        outer_momentum: float | None = None,
         outer_momentum_every: int | None = None,
         max_trust_ratio: float = 10.0,
     ) -> None:

@@ -63,9 +63,17 @@ def check_sync_every(value: object) -> int:
 OUTERS = ("average", "nesterov", "lamb")
 
 #: ``outer_lr=None``: DiLoCo's outer learning rate for Nesterov; for LAMB, whose step moves every layer by about
-#: ``outer_lr · ‖x‖`` whatever the delta's size, 1% of each layer's norm per merge (divided by the number of
-#: workers in async/ssp, where each merge carries one worker's delta).
-DEFAULT_OUTER_LR = {"nesterov": 0.7, "lamb": 0.01}
+#: ``outer_lr · ‖x‖`` whatever the delta's size, 4% of each layer's norm per round of merges (divided by the
+#: number of workers in async/ssp, where each merge carries one worker's delta).
+DEFAULT_OUTER_LR = {"nesterov": 0.7, "lamb": 0.04}
+
+#: ``outer_momentum=None``: Nesterov's β and LAMB's β1. Along a steady pseudo-gradient g Nesterov's step
+#: converges to ``outer_lr / (1 − β) · g``: DiLoCo's 0.7 with β = 0.9 is 7× the mean delta per round, made for
+#: hundreds of local steps per round, where much of a delta is noise that the next rounds cancel; with tens of
+#: local steps of an inner optimizer tuned for data-parallel training it overshoots (H = 16 on the digits MLP:
+#: 1.7-2.2 points below DDP, see docs/benchmarks.md). β = 0.5 keeps DiLoCo's outer lr at 1.4× the mean delta
+#: and a momentum memory of about two rounds, short against the tens of rounds of such a fit.
+DEFAULT_OUTER_MOMENTUM = {"nesterov": 0.5, "lamb": 0.9}
 
 #: LAMB's second-moment decay and ε for ``outer="lamb"`` (β1 is ``outer_momentum``).
 OUTER_LAMB_BETA2 = 0.999
@@ -87,9 +95,10 @@ class OuterRule:
         outer: ``"average"`` (SGD with lr ``merge_rate``: ``x ← x + merge_rate · Δ``), ``"nesterov"``
             (Nesterov SGD, DiLoCo's outer step) or ``"lamb"`` (LAMB with a clipped layer-wise trust ratio).
         merge_rate: ``"average"`` only; ``None``: 1.0 in sync mode, 1/num_workers in async/ssp.
-        outer_lr: ``"nesterov"``/``"lamb"`` only; ``None``: 0.7 for nesterov, 0.01 for lamb in sync mode and
-            0.01/num_workers in async/ssp.
-        outer_momentum: Nesterov's β, LAMB's β1 (β2 = 0.999), in [0, 1).
+        outer_lr: ``"nesterov"``/``"lamb"`` only; ``None``: 0.7 for nesterov, 0.04 for lamb in sync mode and
+            0.04/num_workers in async/ssp.
+        outer_momentum: Nesterov's β, LAMB's β1 (β2 = 0.999), in [0, 1); ``None``: 0.5 for nesterov (its
+            steady step ``outer_lr / (1 − β)`` is then 1.4× the mean delta), 0.9 for lamb.
         outer_momentum_every: ``"nesterov"`` only: N, merges per momentum update (delayed Nesterov, see
             :class:`ivyplug.optim.DelayedNesterov`); ``None``: 1 in sync mode, num_workers in async/ssp.
         max_trust_ratio: ``"lamb"`` only: the upper clip of the trust ratio (> 0, ``inf`` allowed).
@@ -102,12 +111,14 @@ class OuterRule:
         'DelayedNesterov'
         >>> rule.build([torch.zeros(3)], "sync", 4).defaults["nesterov"]  # one merge per round: torch's SGD
         True
+        >>> rule.build([torch.zeros(3)], "sync", 4).defaults["momentum"]  # outer_momentum=None: 0.5 for nesterov
+        0.5
     """
 
     outer: str = "average"
     merge_rate: float | None = None
     outer_lr: float | None = None
-    outer_momentum: float = 0.9
+    outer_momentum: float | None = None
     outer_momentum_every: int | None = None
     max_trust_ratio: float = 10.0
 
@@ -119,7 +130,7 @@ class OuterRule:
         if lr is not None and (not _is_number(lr) or not math.isfinite(lr) or lr <= 0):
             raise ValueError(f"outer_lr must be None or a finite number > 0, got {lr!r}")
         beta = self.outer_momentum
-        if not _is_number(beta) or not 0.0 <= beta < 1.0:
+        if beta is not None and (not _is_number(beta) or not 0.0 <= beta < 1.0):
             raise ValueError(f"outer_momentum must be a number in [0, 1), got {beta!r}")
         every = self.outer_momentum_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
@@ -136,7 +147,7 @@ class OuterRule:
         if every is not None and self.outer != "nesterov":
             raise ValueError(f"outer_momentum_every applies to outer='nesterov' only (got outer={self.outer!r})")
         object.__setattr__(self, "outer_lr", None if lr is None else float(lr))
-        object.__setattr__(self, "outer_momentum", float(beta))
+        object.__setattr__(self, "outer_momentum", None if beta is None else float(beta))
         object.__setattr__(self, "max_trust_ratio", float(mtr))
 
     def build(self, params: Sequence[Tensor], mode: str, num_workers: int) -> torch.optim.Optimizer:
@@ -150,7 +161,7 @@ class OuterRule:
         if self.outer == "average":
             rate = self.merge_rate if self.merge_rate is not None else share
             return torch.optim.SGD(params, lr=rate)
-        beta = self.outer_momentum
+        beta = self.outer_momentum if self.outer_momentum is not None else DEFAULT_OUTER_MOMENTUM[self.outer]
         if self.outer == "nesterov":
             lr = self.outer_lr if self.outer_lr is not None else DEFAULT_OUTER_LR["nesterov"]
             every = self.outer_momentum_every

@@ -141,3 +141,29 @@ def test_docstring_example_runs() -> None:
     for test in tests:
         runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
+
+
+def test_the_default_outer_steps_per_mode() -> None:
+    """outer_momentum=None: Nesterov at DiLoCo's lr 0.7 with β = 0.5 (a steady step of 0.7 / (1 − 0.5) = 1.4× the
+    mean delta, not DiLoCo's 7×); LAMB at 0.04 per round (0.04 / W per async merge) with β1 = 0.9. A given
+    value is used as given, for either outer."""
+    from ivyplug.optim import LocalUpdates
+
+    def build(mode: str, **kw: Any) -> torch.optim.Optimizer:
+        x = torch.nn.Parameter(torch.zeros(3))
+        return LocalUpdates(torch.optim.SGD([x], lr=0.1), **kw).outer_optimizer(mode, 2)
+
+    sync = build("sync", outer="nesterov")
+    assert (sync.defaults["lr"], sync.defaults["momentum"], sync.defaults["nesterov"]) == (0.7, 0.5, True)
+    steady = sync.defaults["lr"] / (1 - sync.defaults["momentum"])
+    assert steady == pytest.approx(1.4)
+    delayed = build("async", outer="nesterov")
+    assert type(delayed) is DelayedNesterov
+    assert delayed.defaults == {"lr": 0.7, "momentum": 0.5, "momentum_every": 2}
+    assert build("sync", outer="nesterov", outer_momentum=0.9).defaults["momentum"] == 0.9
+    lamb_sync, lamb_async = build("sync", outer="lamb"), build("async", outer="lamb")
+    assert (lamb_sync.defaults["lr"], lamb_async.defaults["lr"]) == (0.04, 0.02)
+    assert lamb_sync.defaults["betas"] == (0.9, 0.999)
+    assert build("async", outer="lamb", outer_momentum=0.5).defaults["betas"] == (0.5, 0.999)
+    with pytest.raises(ValueError, match=r"outer_momentum must be a number in \[0, 1\)"):
+        build("sync", outer="nesterov", outer_momentum=1.0)

@@ -16,7 +16,8 @@ wall time. ``os.getloadavg()`` is recorded around every job: on a shared machine
 inflates every time.
 
 The full grid is 80 fits; ``select`` (``--select KEY=V1,V2`` on the command line; keys ``setting``,
-``slowdown``, ``H``, ``outer``, ``wire``, or ``avg=H/outer/wire,...`` for explicit averaging configs) runs a
+``slowdown``, ``H``, ``outer``, ``wire``, or ``avg=H/outer/wire,...`` for explicit averaging configs, where
+``outer@lr@momentum`` sets ``outer_lr`` and ``outer_momentum``: ``16/nesterov@0.35@0.9/float32``) runs a
 subset. DDP and ``ivy_ps`` always run: they are the reference.
 """
 
@@ -65,13 +66,28 @@ def _grid(select: dict[str, list[str]]) -> list[tuple[str, float, list[str]]]:
             raise ValueError("bench averaging: select avg=H/outer/wire or H, outer and wire, not both")
         for c in select["avg"]:
             h, o, w = [*c.split("/"), "", "", ""][:3]
-            if not h.isdigit() or int(h) < 1 or o not in OUTERS or w not in WIRES:
-                raise ValueError(f"bench averaging: avg= takes H/outer/wire (e.g. 16/nesterov/bfloat16), got {c!r}")
+            if not h.isdigit() or int(h) < 1 or not _outer_ok(o) or w not in WIRES or c.count("/") != 2:
+                raise ValueError(
+                    f"bench averaging: avg= takes H/outer[@outer_lr[@outer_momentum]]/wire "
+                    f"(e.g. 16/nesterov/bfloat16 or 16/nesterov@0.35@0.9/float32), got {c!r}"
+                )
         averaging = [f"avg/{c}" for c in select["avg"]]
     else:
         averaging = [f"avg/{h}/{o}/{w}" for h in hs for o in outers for w in wires]
     configs = ["ddp", "ivy_ps", *averaging]
     return [(s, k, configs) for s in settings for k in slowdowns]
+
+
+def _outer_ok(outer: str) -> bool:
+    """``outer`` or ``outer@outer_lr`` or ``outer@outer_lr@outer_momentum`` (numbers; lr > 0, momentum in [0, 1))."""
+    name, *values = outer.split("@")
+    if name not in OUTERS or len(values) > 2 or (name == "average" and values):
+        return False
+    try:
+        numbers = [float(v) for v in values]
+    except ValueError:
+        return False
+    return all(n > 0 for n in numbers[:1]) and all(0 <= n < 1 for n in numbers[1:])
 
 
 def _time_to(points: list[list[float]], target: float) -> float | None:

@@ -3,7 +3,8 @@
 ``python -m ivyplug.benchmarks.averaging_job --setting digits --slowdown 3 --epochs 4 --configs ddp ivy_ps
 avg/16/nesterov/bfloat16 --out r.json``. A config is ``ddp`` (DDP, AdamW), ``ivy_ps[/wire]`` (the PS in async
 mode running AdamW on pushed gradients) or ``avg/H/outer/wire`` (AdamW in ``LocalUpdates`` with
-``sync_every=H``, async mode, merged by the outer optimizer ``outer``). Settings: ``digits`` is the
+``sync_every=H``, async mode, merged by the outer optimizer ``outer``; ``outer@lr@momentum`` sets its
+``outer_lr`` and ``outer_momentum``). Settings: ``digits`` is the
 compute-bound MLP 64-1024-1024-10 of ``bench ps`` at batch 256 on the training set repeated 32x (90 steps per
 worker and epoch); ``wide`` is 64-2048-2048-10 at batch 16 on the training set (45 steps per worker and epoch),
 where communication is a larger share of a step. The slow worker is ``bench ps``'s delay injector (rank 1
@@ -35,7 +36,11 @@ class AveragingMLP(pl.LightningModule):
 
     def __init__(self, hidden: int, slowdown: float, sync_every: int | None, outer: str) -> None:
         super().__init__()
-        self.slowdown, self.sync_every, self.outer = slowdown, sync_every, outer
+        self.slowdown, self.sync_every = slowdown, sync_every
+        name, *values = outer.split("@")  # outer[@outer_lr[@outer_momentum]]
+        self.outer = name
+        keys = ("outer_lr", "outer_momentum")[: len(values)]
+        self.outer_kwargs: dict[str, Any] = {k: float(v) for k, v in zip(keys, values, strict=True)}
         self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
         self.net.append(nn.Linear(hidden, 10))
 
@@ -57,7 +62,7 @@ class AveragingMLP(pl.LightningModule):
             return inner
         from ivyplug.optim import LocalUpdates
 
-        return LocalUpdates(inner, sync_every=self.sync_every, outer=self.outer)
+        return LocalUpdates(inner, sync_every=self.sync_every, outer=self.outer, **self.outer_kwargs)
 
 
 class AccuracyClock(pl.Callback):
@@ -159,6 +164,11 @@ def main() -> None:
         hidden, batch, _ = SETTINGS[args.setting]
         SETTINGS[args.setting] = (hidden, batch, args.repeat)
     torch.set_num_threads(1)  # two workers on two cores
+    # Subnormal floats cost x86 cores 10-100x per operation: a model that grows confident (large logits)
+    # underflows softmax probabilities and their gradients to subnormals, and its steps slow down several-fold
+    # for reasons of the CPU, not of the method (an aggressive outer step got there within 4 epochs). Every
+    # config runs with subnormals flushed to zero, as GPUs and tuned CPU training run.
+    torch.set_flush_denormal(True)
     results = []
     for config in args.configs:
         result = run_config(config, args.setting, args.slowdown, args.epochs)

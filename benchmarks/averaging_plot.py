@@ -4,6 +4,7 @@
 writes ``<out>-<setting>-<slowdown>x.png`` per (setting, slowdown): two panels, accuracy after each epoch
 against the wall time since the fit started, and against the bytes the workers had moved by then (sent +
 received; the run records the fit's total, spread over its epochs in proportion: each epoch moves the same).
+Averaging lines take a colour per outer optimizer, a line style per H and a marker per wire dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +13,25 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+#: averaging lines: a colour per outer optimizer, a line style per H, a marker per wire dtype
+_COLOURS = {"average": "tab:blue", "nesterov": "tab:orange", "lamb": "tab:green"}
+_LINES = {4: ":", 16: "-", 64: "--"}
+_MARKERS = {"float32": "o", "bfloat16": "^"}
+
+
+def _style(run: dict[str, Any]) -> dict[str, Any]:
+    if run["kind"] == "ddp":
+        return {"color": "black", "linestyle": "-", "marker": "o", "linewidth": 2.5}
+    if run["kind"] == "ivy_ps":
+        return {"color": "tab:gray", "linestyle": "-", "marker": "s", "linewidth": 2}
+    outer = str(run["outer"]).split("@")[0]
+    return {
+        "color": _COLOURS.get(outer, "tab:red"),
+        "linestyle": _LINES.get(run["sync_every"], "-."),
+        "marker": _MARKERS.get(run["wire"], "x"),
+        "linewidth": 1.2,
+    }
 
 
 def plot(runs: list[dict[str, Any]], out: str) -> list[Path]:
@@ -32,16 +52,16 @@ def plot(runs: list[dict[str, Any]], out: str) -> list[Path]:
             accs = [a for _, a in points]
             total = r["bytes_per_sample"] * r["epochs"] * r["train_samples"]
             moved = [total * (i + 1) / len(points) / 1e6 for i in range(len(points))]
-            style = "k-o" if r["kind"] == "ddp" else ("-s" if r["kind"] == "ivy_ps" else "-.")
-            by_time.plot(times, accs, style, label=r["config"], markersize=4)
-            by_bytes.plot(moved, accs, style, label=r["config"], markersize=4)
+            kw = _style(r)
+            by_time.plot(times, accs, label=r["config"], markersize=4, **kw)
+            by_bytes.plot(moved, accs, label=r["config"], markersize=4, **kw)
         by_time.set_xlabel("wall time since the fit started (s)")
         by_bytes.set_xlabel("MB moved by both workers (sent + received)")
         by_bytes.set_xscale("log")
         for ax in (by_time, by_bytes):
             ax.set_ylabel("validation accuracy")
             ax.grid(alpha=0.3)
-        by_bytes.legend(fontsize=7, loc="lower right")
+        by_bytes.legend(fontsize=6, loc="lower right", ncol=2)
         fig.suptitle(f"bench averaging: {setting}, slow worker {slowdown:g}x")
         fig.tight_layout()
         path = Path(f"{out}-{setting}-{slowdown:g}x.png")

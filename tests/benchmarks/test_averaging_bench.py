@@ -61,8 +61,11 @@ def test_the_grid_and_its_selection() -> None:
     assert job == ("wide", 3.0, ["ddp", "ivy_ps", "avg/16/nesterov/float32", "avg/16/nesterov/bfloat16"])
     (job,) = averaging._grid({"setting": ["digits"], "slowdown": ["1"], "avg": ["64/lamb/float32"]})
     assert job[2] == ["ddp", "ivy_ps", "avg/64/lamb/float32"]
-    with pytest.raises(ValueError, match="avg= takes H/outer/wire"):
-        averaging._grid({"avg": ["16/adam/float32"]})
+    (job,) = averaging._grid({"setting": ["digits"], "slowdown": ["1"], "avg": ["16/nesterov@0.7@0.9/float32"]})
+    assert job[2][-1] == "avg/16/nesterov@0.7@0.9/float32"  # outer_lr and outer_momentum given (a control)
+    for bad in ("16/adam/float32", "16/nesterov@x/float32", "16/nesterov@0.7@1.0/float32", "16/average@0.5/float32"):
+        with pytest.raises(ValueError, match="avg= takes H/outer"):
+            averaging._grid({"avg": [bad]})
     with pytest.raises(ValueError, match="unknown selection key"):
         averaging._grid({"hidden": ["5"]})
     with pytest.raises(ValueError, match="outer must be one of"):

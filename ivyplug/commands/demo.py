@@ -1,10 +1,10 @@
 """``ivyplug demo``: the main job — DDP against ivyplug's parameter server while one worker is slowed.
 
-Two CPU worker processes train the digits MLP of ``ivyplug bench ps`` (64-1024-1024-10, batch 256 per worker,
+Two CPU worker processes train the digits MLP of ``ivyplug bench ps`` (64-1024-1024-10, here at batch 128 per worker,
 sklearn's bundled digits: nothing is downloaded) in three runs, one after the other
 (:data:`ivyplug.integrations.lightning.demo_job.RUNS`): ``ddp``, ``ivy_ps`` sync + ``IvyLoadBalancer``, and
 ``ivy_ps`` async. Like is compared with like: every run trains the same model from the same weights with the same
-optimizer and learning-rate schedule (AdamW, lr 1e-3, cosine-annealed over the epochs). In every run rank 1
+optimizer and learning-rate schedule (AdamW, lr 2e-3, cosine-annealed over the epochs). In every run rank 1
 is a device ``--slowdown`` times slower at compute (the documented delay injector, the one ``ivyplug bench ps``
 uses). Both workers are started once, with ``LOCAL_RANK`` set as torchrun would, and train all runs: importing
 Lightning twice per run would cost more than training on a busy 2-core machine.
@@ -44,8 +44,8 @@ OPTIMIZER_NAMES = {"lamb": "LAMB", "adamw": "AdamW"}
 PROGRESS_PREFIX = "@@demo "  # same as demo_job.PROGRESS_PREFIX (a test checks they agree)
 WORKERS = 2
 #: (epochs, training-set repeats) by default and with --quick.
-DEFAULT_EPOCHS, DEFAULT_REPEAT = 6, 4
-QUICK_EPOCHS, QUICK_REPEAT = 2, 4
+DEFAULT_EPOCHS, DEFAULT_REPEAT = 6, 3
+QUICK_EPOCHS, QUICK_REPEAT = 2, 1
 #: rank 0's progress line after each validated epoch: ``[label] epoch e/E  t=...s  val_acc=...``
 PROGRESS_EPOCH = re.compile(r"\[(?P<label>[^\]]+)\] epoch (?P<epoch>\d+)/(?P<epochs>\d+)")
 

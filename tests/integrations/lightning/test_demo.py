@@ -51,7 +51,7 @@ def test_quick_demo_prints_table_for_every_run(quick_run: tuple[subprocess.Compl
     header = next(i for i, line in enumerate(lines) if line.startswith("run ") and "wall s" in line)
     for column in ("to 0.", "val acc", "vs ddp", "wall s", "samples/s", "samples w0/w1"):
         assert column in lines[header]
-    assert "AdamW lr 0.001 (cosine over 2 epochs) in every run" in result.stdout  # like with like
+    assert "AdamW lr 0.002 (cosine over 2 epochs) in every run" in result.stdout  # like with like
     rows = lines[header + 1 : header + 1 + len(demo.RUN_NAMES)]
     for row, label in zip(rows, demo.RUN_LABELS, strict=True):
         assert row.startswith(label), row
@@ -88,9 +88,10 @@ def test_quick_demo_writes_png_and_json(quick_run: tuple[subprocess.CompletedPro
         times = [t for t, _ in r["curve"]]
         assert len(times) == data["epochs"] and times == sorted(times) and times[-1] <= r["fit_seconds"]
         assert r["samples_per_s"] == pytest.approx(r["epochs"] * r["train_samples"] / r["fit_seconds"])
-    assert runs["ivy_ps_sync_lb"]["balancer"] and all(sum(s) == 512 for s in runs["ivy_ps_sync_lb"]["shares"])
-    assert {(r["optimizer"], r["lr"], r["schedule"]) for r in runs.values()} == {
-        ("adamw", 0.001, "cosine over 2 epochs")
+    sync = runs["ivy_ps_sync_lb"]
+    assert sync["balancer"] and all(sum(s) == 2 * sync["batch_per_worker"] == 256 for s in sync["shares"])
+    assert {(r["optimizer"], r["lr"], r["schedule"], r["batch_per_worker"]) for r in runs.values()} == {
+        ("adamw", 0.002, "cosine over 2 epochs", 128)
     }
     summary = data["summary"]
     assert summary["target_acc"] == runs["ddp"]["val_acc"] and summary["acc_vs_ddp"]["ddp"] == 0.0

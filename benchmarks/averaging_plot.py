@@ -18,6 +18,8 @@ from typing import Any
 _COLOURS = {"average": "tab:blue", "nesterov": "tab:orange", "lamb": "tab:green"}
 _LINES = {4: ":", 16: "-", 64: "--"}
 _MARKERS = {"float32": "o", "bfloat16": "^"}
+#: the lowest accuracy shown: a collapsed run would squeeze every other line into the top of the chart
+FLOOR = 0.9
 
 
 def _style(run: dict[str, Any]) -> dict[str, Any]:
@@ -58,8 +60,10 @@ def plot(runs: list[dict[str, Any]], out: str) -> list[Path]:
         by_time.set_xlabel("wall time since the fit started (s)")
         by_bytes.set_xlabel("MB moved by both workers (sent + received)")
         by_bytes.set_xscale("log")
+        lowest = min((a for r in group for _, a in r["accuracy_points"]), default=FLOOR)
         for ax in (by_time, by_bytes):
-            ax.set_ylabel("validation accuracy")
+            ax.set_ylabel("validation accuracy" + (f" (below {FLOOR:g} off the chart)" if lowest < FLOOR else ""))
+            ax.set_ylim(bottom=max(FLOOR, lowest - 0.005))
             ax.grid(alpha=0.3)
         by_bytes.legend(fontsize=6, loc="lower right", ncol=2)
         fig.suptitle(f"bench averaging: {setting}, slow worker {slowdown:g}x")

@@ -6,15 +6,17 @@
  * Per tensor, two passes instead of the torch kernel's five or six:
  *   pass 1 reads x, g, m, v; writes m, v; sums |x|^2 and |u|^2 with u = c*m/(sqrt(v)+eps') + wd*x,
  *   pass 2 writes x -= lr*ratio*u, last block first, so that it starts on what pass 1 left in cache; u comes from
- *   a scratch buffer small enough to stay in cache when the tensor fits it, else it is recomputed from m, v, x
+ *   a scratch buffer small enough to stay in cache while it has room, else it is recomputed from m, v, x
  *   (cheaper than a round trip through memory).
  * With layer adaptation off the ratio is 1 and one pass does it all. c = sqrt(1-beta2^t)/(1-beta1^t) and
  * eps' = eps*sqrt(1-beta2^t) give c*m/(sqrt(v)+eps') = m_hat/(sqrt(v_hat)+eps).
  *
- * Threads: tensors of at least split_min elements per thread are cut into blocks (`block` elements) that the
- * threads claim as they go (a thread the OS preempts on a busy machine then holds up no one for long); smaller
- * tensors are claimed whole. Norms are summed in double per block and the blocks combined in order, so results
- * do not depend on the thread count or on scheduling. The trust ratio rule is the Python one: ||x||/||u||
+ * Threads: tensors of at least split_min elements per thread are cut into blocks of about `block` elements
+ * (a multiple of the thread count) that the threads claim as they go, so a thread the OS preempts on a busy
+ * machine holds up no one for long; pass 2 runs over the blocks a thread took in pass 1, which are in its cache,
+ * with u kept in that thread's part of the scratch while there is room. Smaller tensors are claimed whole. Norms
+ * are summed in double per block and the blocks combined in order: results depend on the thread count, never on
+ * scheduling. The trust ratio rule is the Python one: ||x||/||u||
  * clipped to [min_ratio, max_ratio], exactly 1 when either norm is 0 or not finite.
  */
 #include <math.h>
@@ -28,7 +30,7 @@
 #define IVY_MAX_THREADS 256
 #define IVY_WALK 4096 /* elements per step of pass 2's backward walk over a whole tensor */
 #define IVY_SPIN 256    /* busy-wait rounds before a waiting thread starts yielding the core */
-#define IVY_PAD 8      /* doubles per partial-sum slot: one cache line, no false sharing */
+#define IVY_SLACK 1024 /* floats of room per kept block, to place it clear of the other streams (kept_at) */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -207,15 +209,18 @@ typedef struct {
     double lr, min_ratio, max_ratio;
     int adapt;
     int64_t split_min, block;
+    int max_threads; /* the threads asked for: the block lengths follow from it, whatever number could start */
     const int64_t *small; /* indices of the tensors run whole by one thread */
     int64_t n_small;
     atomic_llong next_small;
     const int64_t *large; /* indices of the tensors cut into blocks */
     int64_t n_large;
-    atomic_llong *claims;    /* per large tensor: next block of pass 1, next block of pass 2 */
+    atomic_llong *claims;    /* per large tensor: the next block to claim */
+    int64_t *mine;           /* per thread, max_blocks slots: the blocks it claimed in the current tensor */
+    int64_t max_blocks;
     const int64_t *sums_at;  /* per large tensor: where its blocks' sums start in block_sums */
     double *block_sums;      /* per block: |x|^2, |u|^2 */
-    float *scratch;          /* u of a large tensor that fits half of it (scratch_len floats), or NULL */
+    float *scratch;          /* scratch_len floats, one part per thread for u of its blocks, or NULL */
     int64_t scratch_len;
     double *ratios;
 } lamb_job;
@@ -338,6 +343,31 @@ static void second_pass(lamb_job *job, int64_t k, const float *u, float step, in
     }
 }
 
+/* Where in [u, u + IVY_SLACK) to keep a block's u: at least 256 bytes (mod 4096) from each of the block's other
+ * streams, so that its stores never look like the next loads of x, g, m, v to the CPU ("4K aliasing", which
+ * stalls the loads until the stores retire). A function of the pointers only: pass 2 finds the same place. */
+static float *kept_at(float *u, const float *x, const float *g, const float *m, const float *v) {
+    const float *streams[4] = {x, g, m, v};
+    for (int64_t shift = 0; shift < IVY_SLACK; shift += 64) {
+        uintptr_t at = (uintptr_t)(u + shift);
+        int clear = 1;
+        for (int j = 0; j < 4 && clear; j++) {
+            uintptr_t d = (at - (uintptr_t)streams[j]) & 4095u;
+            clear = d >= 256u && d <= 4096u - 256u;
+        }
+        if (clear) return u + shift;
+    }
+    return u;
+}
+
+/* The block length for a large tensor of n elements: about `block`, and a multiple of `threads` blocks of equal
+ * length, so that the threads finish together when none is held up. */
+static int64_t tensor_block(int64_t n, int threads, int64_t block) {
+    int64_t per_round = (int64_t)threads * block;
+    int64_t blocks = ((n + per_round - 1) / per_round) * threads;
+    return (n + blocks - 1) / blocks;
+}
+
 /* One small tensor from start to end on this thread (u recomputed: the tensor is still in cache). */
 static void lamb_whole(lamb_job *job, int64_t k) {
     int64_t n = job->numels[k];
@@ -363,25 +393,30 @@ static void lamb_work(void *raw, int tid, int nthreads, barrier_t *barrier) {
     }
     for (int64_t j = 0; j < job->n_large; j++) {
         int64_t k = job->large[j];
-        int64_t n = job->numels[k], blocks = (n + job->block - 1) / job->block;
-        atomic_llong *claim = job->claims + 2 * j;
+        int64_t n = job->numels[k], blk = tensor_block(n, job->max_threads, job->block);
+        int64_t blocks = (n + blk - 1) / blk;
+        atomic_llong *claim = job->claims + j;
         if (!job->adapt) {
             for (int64_t b; (b = atomic_fetch_add_explicit(&claim[0], 1, memory_order_relaxed)) < blocks;) {
-                int64_t lo = b * job->block, hi = lo + job->block < n ? lo + job->block : n;
+                int64_t lo = b * blk, hi = lo + blk < n ? lo + blk : n;
                 lamb_single_pass(&job->h, job->c[k], job->eps_s[k], (float)job->lr, job->params[k], job->grads[k],
                                  job->exp_avgs[k], job->exp_avg_sqs[k], lo, hi);
             }
             if (tid == 0) job->ratios[k] = 1.0;
             continue;
         }
-        /* Two halves of the scratch, alternating: a thread may start on the next tensor while others still read
-         * this one's u, but no thread passes the next tensor's barrier before all are done with this one. */
-        int64_t half = job->scratch_len / 2;
-        float *u = job->scratch != NULL && n <= half ? job->scratch + (j % 2) * half : NULL;
+        /* Each thread keeps u of its own blocks in its own part of the scratch, while there is room. */
+        int64_t room = job->scratch == NULL ? 0 : job->scratch_len / nthreads / (blk + IVY_SLACK);
+        float *own = job->scratch == NULL ? NULL : job->scratch + (job->scratch_len / nthreads) * tid;
         double *sums = job->block_sums + 2 * job->sums_at[j];
+        int64_t *mine = job->mine + tid * job->max_blocks, taken = 0;
         for (int64_t b; (b = atomic_fetch_add_explicit(&claim[0], 1, memory_order_relaxed)) < blocks;) {
-            int64_t lo = b * job->block, hi = lo + job->block < n ? lo + job->block : n;
-            first_pass(job, k, u == NULL ? NULL : u + lo, lo, hi, sums + 2 * b);
+            int64_t lo = b * blk, hi = lo + blk < n ? lo + blk : n;
+            float *u = taken < room ? kept_at(own + taken * (blk + IVY_SLACK), job->params[k] + lo,
+                                              job->grads[k] + lo, job->exp_avgs[k] + lo, job->exp_avg_sqs[k] + lo)
+                                    : NULL;
+            first_pass(job, k, u, lo, hi, sums + 2 * b);
+            mine[taken++] = b;
         }
         barrier_wait(barrier, &sense); /* every block's sums are in; the barrier orders their writes before the reads */
         double x_sq = 0.0, u_sq = 0.0;
@@ -391,10 +426,14 @@ static void lamb_work(void *raw, int tid, int nthreads, barrier_t *barrier) {
         }
         double r = trust_ratio(x_sq, u_sq, job->min_ratio, job->max_ratio);
         if (tid == 0) job->ratios[k] = r;
-        for (int64_t b; (b = atomic_fetch_add_explicit(&claim[1], 1, memory_order_relaxed)) < blocks;) {
-            int64_t rb = blocks - 1 - b; /* last block first: pass 1 ended there */
-            int64_t lo = rb * job->block, hi = lo + job->block < n ? lo + job->block : n;
-            second_pass(job, k, u == NULL ? NULL : u + lo, (float)(job->lr * r), lo, hi);
+        /* Pass 2 over this thread's own blocks, last first: they are in its cache, not another core's. */
+        while (taken > 0) {
+            int64_t b = mine[--taken];
+            int64_t lo = b * blk, hi = lo + blk < n ? lo + blk : n;
+            float *u = taken < room ? kept_at(own + taken * (blk + IVY_SLACK), job->params[k] + lo,
+                                              job->grads[k] + lo, job->exp_avgs[k] + lo, job->exp_avg_sqs[k] + lo)
+                                    : NULL;
+            second_pass(job, k, u, (float)(job->lr * r), lo, hi);
         }
     }
 }
@@ -457,36 +496,41 @@ int ivy_lamb_f32(int64_t count, float *const *params, const float *const *grads,
     if (threads < 1) threads = 1;
 
     size_t n = (size_t)count + 1;
-    int64_t n_large = 0, large_blocks = 0;
+    int64_t n_large = 0, large_blocks = 0, max_blocks = 0;
     for (int64_t k = 0; k < count; k++) {
-        if (threads > 1 && numels[k] >= split_min * threads) {
+        if (numels[k] >= split_min * threads) {
+            int64_t blk = tensor_block(numels[k], threads, block), blocks = (numels[k] + blk - 1) / blk;
             n_large++;
-            large_blocks += (numels[k] + block - 1) / block;
+            large_blocks += blocks;
+            max_blocks = blocks > max_blocks ? blocks : max_blocks;
         }
     }
     int64_t *order = (int64_t *)malloc(sizeof(int64_t) * 2 * n); /* indices, then each large one's sums offset */
     float *coef = (float *)malloc(sizeof(float) * 2 * n);
     double *block_sums = (double *)malloc(sizeof(double) * (size_t)(2 * large_blocks + 1));
-    atomic_llong *claims = (atomic_llong *)malloc(sizeof(atomic_llong) * (size_t)(2 * n_large + 1));
-    if (order == NULL || coef == NULL || block_sums == NULL || claims == NULL) {
+    atomic_llong *claims = (atomic_llong *)malloc(sizeof(atomic_llong) * (size_t)(n_large + 1));
+    int64_t *mine = (int64_t *)malloc(sizeof(int64_t) * (size_t)(threads * max_blocks + 1));
+    if (order == NULL || coef == NULL || block_sums == NULL || claims == NULL || mine == NULL) {
         free(order);
         free(coef);
         free(block_sums);
         free(claims);
+        free(mine);
         return -1;
     }
     int64_t n_small = 0, j_large = count - n_large, offset = 0;
     int64_t *sums_at = order + n;
     for (int64_t k = 0; k < count; k++) {
-        if (threads > 1 && numels[k] >= split_min * threads) {
+        if (numels[k] >= split_min * threads) {
             sums_at[j_large - (count - n_large)] = offset;
-            offset += (numels[k] + block - 1) / block;
+            int64_t blk = tensor_block(numels[k], threads, block);
+            offset += (numels[k] + blk - 1) / blk;
             order[j_large++] = k;
         } else {
             order[n_small++] = k;
         }
     }
-    for (int64_t j = 0; j < 2 * n_large; j++) atomic_init(&claims[j], 0);
+    for (int64_t j = 0; j < n_large; j++) atomic_init(&claims[j], 0);
     for (int64_t k = 0; k < count; k++) {
         *steps[k] += 1.0f;
         double t = (double)*steps[k];
@@ -517,12 +561,15 @@ int ivy_lamb_f32(int64_t count, float *const *params, const float *const *grads,
     job.adapt = adapt;
     job.split_min = split_min;
     job.block = block;
+    job.max_threads = threads;
     job.small = order;
     job.n_small = n_small;
     atomic_init(&job.next_small, 0);
     job.large = order + n_small;
     job.n_large = n_large;
     job.claims = claims;
+    job.mine = mine;
+    job.max_blocks = max_blocks;
     job.sums_at = sums_at;
     job.block_sums = block_sums;
     job.scratch = scratch_len > 0 ? scratch : NULL;
@@ -533,5 +580,6 @@ int ivy_lamb_f32(int64_t count, float *const *params, const float *const *grads,
     free(coef);
     free(block_sums);
     free(claims);
+    free(mine);
     return used;
 }

@@ -278,18 +278,38 @@ _PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def _compiled_eligible(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor) -> bool:
-    """Whether one parameter's tensors can take the compiled kernel (the rest take the torch kernels)."""
-    shape = p.shape
+    """Whether one parameter's tensors can take the compiled kernel (the rest take the torch kernels): all
+    :func:`_compiled_tensor` (spelled out, once per parameter and step), one shape, a one-element step counter."""
+    f32, plain, strided, shape = torch.float32, _PLAIN_TENSOR_TYPES, torch.strided, p.shape
     return (
-        _compiled_tensor(p)
-        and _compiled_tensor(g)
-        and _compiled_tensor(m)
-        and _compiled_tensor(v)
+        p.dtype == f32
+        and g.dtype == f32
+        and m.dtype == f32
+        and v.dtype == f32
+        and step.dtype == f32
+        and p.is_cpu
+        and g.is_cpu
+        and m.is_cpu
+        and v.is_cpu
+        and step.is_cpu
+        and type(p) in plain
+        and type(g) in plain
+        and type(m) in plain
+        and type(v) in plain
+        and type(step) in plain
+        and p.layout == strided
+        and g.layout == strided
+        and m.layout == strided
+        and v.layout == strided
         and g.shape == shape
         and m.shape == shape
         and v.shape == shape
-        and _compiled_tensor(step)
         and step.numel() == 1
+        and p.is_contiguous()
+        and g.is_contiguous()
+        and m.is_contiguous()
+        and v.is_contiguous()
+        and not (p.is_neg() or g.is_neg() or m.is_neg() or v.is_neg())
     )
 
 

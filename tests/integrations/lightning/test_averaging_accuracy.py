@@ -1,8 +1,10 @@
 """Accuracy of 2 Lightning workers on the digits MLP, in one popen-launched job (start-up paid once).
 
 - Local updates with H = 16 (SGD in ``LocalUpdates``) reach >= 96% validation accuracy with each outer
-  optimizer (``average``, ``nesterov``, ``lamb``). Sync mode: the merges do not depend on timing, so the
-  result is the same on a loaded machine.
+  optimizer: ``nesterov`` at its defaults and ``lamb`` at ``outer_lr=0.08`` in sync mode (the merges do not
+  depend on timing, so the result is the same on a loaded machine), and with asynchronous merges, whose
+  order depends on timing: ``nesterov`` at its defaults (delayed momentum, one worker's delta per merge)
+  and ``average``.
 - ``wire_dtype="bfloat16"``: a gradient fit (the servers run SGD) and a Nesterov-merged local-update fit (bf16
   deltas with error feedback) end within 0.5 points of their fp32 twins, while the gradient fit's PS
   traffic halves.
@@ -22,8 +24,9 @@ from .test_example import run_script
 
 JOB = Path(__file__).with_name("averaging_job.py")
 FITS = {
-    "average": "local/sync/average/float32/20",
+    "average": "local/async/average/float32/20",
     "nesterov": "local/sync/nesterov/float32/15",
+    "nesterov_async": "local/async/nesterov/float32/20",
     "nesterov_bf16": "local/sync/nesterov/bfloat16/15",
     "lamb": "local/sync/lamb@0.08/float32/25",
     "sgd": "grad/sync/sgd/float32/10",
@@ -47,11 +50,12 @@ def test_outer_optimizers_and_bf16_wire_accuracy(tmp_path: Path) -> None:
     print("validation accuracy:", acc)  # shown with -rA: the measured numbers, not only pass/fail
     for ranks in runs.values():  # both ranks validated the same global model
         assert ranks[0]["val_acc"] == ranks[1]["val_acc"], ranks
-    for outer in ("average", "nesterov", "lamb"):
-        assert acc[outer] >= 0.96, acc
-        # 720 samples per worker and epoch at batch 32: 23 steps, one exchange per 16 (+ the flush at the end)
-        epochs = int(FITS[outer].rsplit("/", 1)[1])
-        assert all(r["pushes"] <= 23 * epochs / 16 + 2 for r in runs[outer]), runs[outer]
+    for name in ("average", "nesterov", "nesterov_async", "lamb"):
+        assert acc[name] >= 0.96, acc
+        # 1440 samples per epoch at batch 32: 45 steps between the 2 workers (23 each in sync mode; in
+        # async the faster worker takes more), one exchange per 16 (+ each worker's flush at the end, rounding)
+        epochs = int(FITS[name].rsplit("/", 1)[1])
+        assert sum(r["pushes"] for r in runs[name]) <= 45 * epochs / 16 + 2 * 2, runs[name]
     assert abs(acc["nesterov_bf16"] - acc["nesterov"]) <= 0.005, acc
     assert abs(acc["sgd_bf16"] - acc["sgd"]) <= 0.005, acc
     for r16, r32 in zip(runs["sgd_bf16"], runs["sgd"], strict=True):

@@ -414,7 +414,11 @@ def _sequence_steps(
     if lib is None:
         return runs
     threads = torch.get_num_threads()
-    sizes = dict(split_min=lamb_functional.COMPILED_SPLIT_ELEMENTS, block=lamb_functional.COMPILED_BLOCK_ELEMENTS)
+    sizes = dict(
+        split_min=lamb_functional.COMPILED_SPLIT_ELEMENTS,
+        parallel_min=lamb_functional.COMPILED_PARALLEL_ELEMENTS,
+        block=lamb_functional.COMPILED_BLOCK_ELEMENTS,
+    )
     keep = torch.empty(threads * lamb_functional.COMPILED_KEEP_ELEMENTS)
     own_steps = [torch.zeros(()) for _ in steps]  # the kernel advances its counters: these, set to the caller's - 1
 

@@ -75,9 +75,9 @@ class CompiledKernel:
         lib = ctypes.CDLL(str(path))
         p, i64, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
         lib.ivy_lamb_f32.argtypes = [i64, p, p, p, p, p, p, f64, f64, f64, f64, f64, cint, cint, f64, f64, f64, cint,
-                                     i64, i64, p, i64, p]  # fmt: skip
+                                     i64, i64, i64, p, i64, p]  # fmt: skip
         lib.ivy_lamb_f32.restype = cint
-        lib.ivy_sumsq_f32.argtypes = [i64, p, p, cint, i64, i64]
+        lib.ivy_sumsq_f32.argtypes = [i64, p, p, cint, i64, i64, i64]
         lib.ivy_sumsq_f32.restype = f64
         self._lib = lib
         self.path = path
@@ -103,6 +103,7 @@ class CompiledKernel:
         threads: int,
         split_min: int,
         block: int,
+        parallel_min: int = 0,
         scratch: Tensor | None = None,
     ) -> list[float] | None:
         """One step in place (steps incremented); the trust ratios, or None (nothing changed) when buffers overlap.
@@ -123,7 +124,7 @@ class CompiledKernel:
             ptrs(*[t.data_ptr() for t in steps]),
             (ctypes.c_int64 * n)(*[t.numel() for t in params]),
             lr, beta1, beta2, eps, weight_decay, int(bias_correction), int(adapt), min_trust_ratio, max_trust_ratio,
-            grad_scale, threads, split_min, block, None if scratch is None else scratch.data_ptr(),
+            grad_scale, threads, split_min, parallel_min, block, None if scratch is None else scratch.data_ptr(),
             0 if scratch is None else scratch.numel(), ratios,
         )  # fmt: skip
         if rc == -2:
@@ -132,7 +133,9 @@ class CompiledKernel:
             raise MemoryError("the compiled LAMB kernel could not allocate its bookkeeping")
         return list(ratios)
 
-    def sumsq(self, tensors: Sequence[Tensor], *, threads: int, split_min: int, block: int) -> float:
+    def sumsq(
+        self, tensors: Sequence[Tensor], *, threads: int, split_min: int, block: int, parallel_min: int = 0
+    ) -> float:
         """``Σ‖t‖²`` accumulated in double; NaN/Inf elements give a non-finite result."""
         n = len(tensors)
         total = float(
@@ -142,6 +145,7 @@ class CompiledKernel:
                 (ctypes.c_int64 * n)(*[t.numel() for t in tensors]),
                 threads,
                 split_min,
+                parallel_min,
                 block,
             )
         )

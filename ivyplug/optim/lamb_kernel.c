@@ -161,14 +161,16 @@ static void sumsq_work(void *raw, int tid, int nthreads, barrier_t *barrier) {
 }
 
 /* Σ‖t‖² in double (NaN/Inf elements give a non-finite sum), or -1 when memory for the block sums cannot be had.
- * split_min: fewest elements worth a thread; block: elements per block a thread claims. */
+ * split_min: fewest elements worth a thread; parallel_min: fewest elements in all worth starting threads for;
+ * block: elements per block a thread claims. */
 double ivy_sumsq_f32(int64_t count, const float *const *data, const int64_t *numels, int threads,
-                     int64_t split_min, int64_t block) {
+                     int64_t split_min, int64_t parallel_min, int64_t block) {
     int64_t total = 0;
     for (int64_t k = 0; k < count; k++) total += numels[k];
     if (split_min < 1) split_min = 1;
     if (threads > IVY_MAX_THREADS) threads = IVY_MAX_THREADS;
     if (threads > 1 && total / split_min < threads) threads = (int)(total / split_min);
+    if (total < parallel_min) threads = 1;
     if (threads < 1) threads = 1;
     if (block < 1) block = 1;
     int64_t blocks = (total + block - 1) / block;
@@ -475,15 +477,15 @@ static int overlapping(int64_t count, float *const *params, const float *const *
 
 /*
  * One LAMB step over `count` tensors (hyperparameters shared, step counters per tensor, incremented here).
- * scratch: scratch_len floats (or NULL) where u waits between the passes of a tensor that fits half of it.
+ * Threads as in ivy_sumsq_f32. scratch: scratch_len floats (or NULL) where u waits between the passes of a tensor that fits half of it.
  * ratios receives the trust ratio used per tensor. Returns the threads used (>= 1), or before changing anything:
  * -1 when memory for the bookkeeping cannot be had, -2 when two of the buffers overlap.
  */
 int ivy_lamb_f32(int64_t count, float *const *params, const float *const *grads, float *const *exp_avgs,
                  float *const *exp_avg_sqs, float *const *steps, const int64_t *numels, double lr, double beta1,
                  double beta2, double eps, double weight_decay, int bias_correction, int adapt, double min_ratio,
-                 double max_ratio, double grad_scale, int threads, int64_t split_min, int64_t block,
-                 float *scratch, int64_t scratch_len, double *ratios) {
+                 double max_ratio, double grad_scale, int threads, int64_t split_min, int64_t parallel_min,
+                 int64_t block, float *scratch, int64_t scratch_len, double *ratios) {
     int failed = 0;
     if (overlapping(count, params, grads, exp_avgs, exp_avg_sqs, numels, &failed)) return -2;
     if (failed) return -1;
@@ -493,6 +495,7 @@ int ivy_lamb_f32(int64_t count, float *const *params, const float *const *grads,
     int64_t total = 0;
     for (int64_t k = 0; k < count; k++) total += numels[k];
     if (threads > 1 && total / split_min < threads) threads = (int)(total / split_min);
+    if (total < parallel_min) threads = 1;
     if (threads < 1) threads = 1;
 
     size_t n = (size_t)count + 1;

@@ -33,6 +33,7 @@ def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tu
     threads, block, keep = request.param
     monkeypatch.setattr(F, "_kernel_threads", lambda: threads)
     monkeypatch.setattr(F, "COMPILED_SPLIT_ELEMENTS", 2)
+    monkeypatch.setattr(F, "COMPILED_PARALLEL_ELEMENTS", 0)
     monkeypatch.setattr(F, "COMPILED_BLOCK_ELEMENTS", block)
     monkeypatch.setattr(F, "COMPILED_KEEP_ELEMENTS", keep)
     return threads, block, keep

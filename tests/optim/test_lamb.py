@@ -38,6 +38,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> b
         monkeypatch.setenv(compiled_kernel.KERNEL_ENV, "compiled")
         if name == "compiled_split":
             monkeypatch.setattr(F, "COMPILED_SPLIT_ELEMENTS", 2)
+            monkeypatch.setattr(F, "COMPILED_PARALLEL_ELEMENTS", 0)
             monkeypatch.setattr(F, "COMPILED_BLOCK_ELEMENTS", 5)
             monkeypatch.setattr(F, "COMPILED_KEEP_ELEMENTS", 40)
             monkeypatch.setattr(F, "_kernel_threads", lambda: 3)

@@ -109,8 +109,8 @@ class CompiledKernel:
         """One step in place (steps incremented); the trust ratios, or None (nothing changed) when buffers overlap.
 
         The caller guarantees float32, CPU, contiguous tensors of matching sizes and 0-dim float32 step counters.
-        ``scratch`` (contiguous float32) keeps the update of a tensor that fits half of it between the two passes,
-        instead of recomputing it from the moments.
+        ``scratch`` (contiguous float32, one part per thread) keeps the update of a thread's blocks between the two
+        passes while there is room, instead of recomputing it from the moments.
         """
         n = len(params)
         ptrs = ctypes.c_void_p * n

@@ -27,8 +27,9 @@ docs/benchmarks.md). On accelerators it saves launches, as in torch.optim.
 
 The compiled kernel (:mod:`ivyplug.optim.compiled_kernel`, ``kernel=`` or ``IVYPLUG_LAMB_KERNEL``) takes the place
 of the CPU multi-tensor kernel for contiguous float32 tensors: two passes per tensor in C (moments and both norms;
-then the update, recomputed rather than stored), split across ``torch.get_num_threads()`` threads. The torch
-kernels stay the reference and the fallback: for every other tensor, and whenever no C compiler is at hand.
+then the update, kept in a cache-sized scratch or recomputed), split across ``torch.get_num_threads()`` threads
+(one below :data:`COMPILED_PARALLEL_ELEMENTS`). The torch kernels stay the reference and the fallback: for every
+other tensor, and whenever no C compiler is at hand.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ COMPILED_PARALLEL_ELEMENTS = 1 << 21
 #: holds the others up briefly. Measured at 10M parameters in 200k-element tensors on 2 threads (kernel alone):
 #: blocks of 100k elements 1.03-1.08x fused AdamW's step, of 25k 1.09x, of 50k 1.6-1.7x, recomputing u 1.3x.
 COMPILED_BLOCK_ELEMENTS = 1 << 17
-#: Elements of the update the compiled kernel may keep between its two passes over a tensor, per thread (a
-#: scratch small enough to stay in cache, in two halves); a larger tensor recomputes it from the moments instead.
+#: Elements of the update each thread of the compiled kernel may keep between its two passes over its blocks (a
+#: scratch small enough to stay in its cache); blocks beyond that room recompute it from the moments instead.
 COMPILED_KEEP_ELEMENTS = 1 << 18
 #: Sums of squares above float32's range count as an overflow (not finite), as they do in the torch kernels.
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)

@@ -477,7 +477,8 @@ static int overlapping(int64_t count, float *const *params, const float *const *
 
 /*
  * One LAMB step over `count` tensors (hyperparameters shared, step counters per tensor, incremented here).
- * Threads as in ivy_sumsq_f32. scratch: scratch_len floats (or NULL) where u waits between the passes of a tensor that fits half of it.
+ * Threads as in ivy_sumsq_f32. scratch: scratch_len floats (or NULL), one part per thread, where u of the
+ * thread's blocks waits between the passes while there is room.
  * ratios receives the trust ratio used per tensor. Returns the threads used (>= 1), or before changing anything:
  * -1 when memory for the bookkeeping cannot be had, -2 when two of the buffers overlap.
  */

@@ -68,4 +68,4 @@ def test_the_exchange_callback_starts_the_ps_with_the_chosen_outer_optimizer() -
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[exchange])
     served = exchange._delta.outer
     assert type(served) is torch.optim.SGD and exchange.exchanges == 2
-    assert (served.defaults["lr"], served.defaults["momentum"], served.defaults["nesterov"]) == (0.5, 0.9, True)
+    assert (served.defaults["lr"], served.defaults["momentum"], served.defaults["nesterov"]) == (0.5, 0.5, True)

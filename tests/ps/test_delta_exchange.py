@@ -71,12 +71,12 @@ ROUNDS = ["zero", "rand", "rand", "nan", "rand", "zero", "rand", "rand"]
 RULES: dict[str, tuple[dict[str, Any], Any]] = {
     "average": ({}, lambda x: RefAverage(x, rate=1.0)),
     "average-0.3": ({"merge_rate": 0.3}, lambda x: RefAverage(x, rate=0.3)),
-    "nesterov": ({}, lambda x: RefDelayedNesterov(x, lr=0.7, beta=0.9, every=1)),
+    "nesterov": ({}, lambda x: RefDelayedNesterov(x, lr=0.7, beta=0.5, every=1)),
     "nesterov-delayed-3": (
         {"outer_lr": 0.5, "outer_momentum": 0.8, "outer_momentum_every": 3},
         lambda x: RefDelayedNesterov(x, lr=0.5, beta=0.8, every=3),
     ),
-    "lamb": ({}, lambda x: ref_lamb(x, lr=0.01, beta1=0.9, max_trust_ratio=10.0)),
+    "lamb": ({}, lambda x: ref_lamb(x, lr=0.04, beta1=0.9, max_trust_ratio=10.0)),
     "lamb-clipped": (
         {"outer_lr": 0.2, "outer_momentum": 0.5, "max_trust_ratio": 0.05},
         lambda x: ref_lamb(x, lr=0.2, beta1=0.5, max_trust_ratio=0.05),
@@ -116,14 +116,14 @@ def test_the_servers_build_the_class_the_rule_picks() -> None:
     assert OuterRule(merge_rate=0.3).build(params, "sync", 4).defaults["lr"] == 0.3
     nest = OuterRule("nesterov").build(params, "sync", 4)
     assert type(nest) is torch.optim.SGD
-    assert (nest.defaults["lr"], nest.defaults["momentum"], nest.defaults["nesterov"]) == (0.7, 0.9, True)
+    assert (nest.defaults["lr"], nest.defaults["momentum"], nest.defaults["nesterov"]) == (0.7, 0.5, True)
     delayed = OuterRule("nesterov").build(params, "async", 4)  # one worker's delta per merge: N = 4
-    assert type(delayed) is DelayedNesterov and delayed.defaults == {"lr": 0.7, "momentum": 0.9, "momentum_every": 4}
+    assert type(delayed) is DelayedNesterov and delayed.defaults == {"lr": 0.7, "momentum": 0.5, "momentum_every": 4}
     assert type(OuterRule("nesterov", outer_momentum_every=1).build(params, "ssp", 4)) is torch.optim.SGD
     assert type(OuterRule("nesterov", outer_momentum=0.0).build(params, "sync", 1)) is torch.optim.SGD
     lamb = OuterRule("lamb", max_trust_ratio=3.0).build(params, "async", 2)
     assert type(lamb) is LAMB
-    assert lamb.defaults["lr"] == 0.005 and lamb.defaults["max_trust_ratio"] == 3.0
+    assert lamb.defaults["lr"] == 0.02 and lamb.defaults["max_trust_ratio"] == 3.0
     assert lamb.defaults["weight_decay"] == 0.0 and lamb.defaults["min_trust_ratio"] == 0.0
     assert lamb.defaults["betas"] == (0.9, 0.999)
     assert OuterRule("lamb", outer_lr=0.1).build(params, "async", 2).defaults["lr"] == 0.1

@@ -69,12 +69,13 @@ DEVICE_CHUNK_ELEMENTS = 1 << 25
 #: below it the threads' start-up and the barrier cost more than the pass; such tensors are shared out whole.
 COMPILED_SPLIT_ELEMENTS = 1 << 15
 #: Below this many elements in one call the compiled kernel runs on one thread: on a shared machine a second
-#: thread may wait for a core longer than it saves (measured at 1M parameters in 40 tensors: 0.73x fused AdamW's
-#: step on one thread, 1.09x on two).
+#: thread may wait for a core longer than it saves (measured at 1M parameters in 40 tensors, kernel alone: 0.73x
+#: fused AdamW's step on one thread, 1.09x on two).
 COMPILED_PARALLEL_ELEMENTS = 1 << 21
 #: About this many elements per block that a thread of the compiled kernel claims at a time (512 KiB per buffer):
 #: small enough that a thread's blocks stay in its cache between the two passes and that a thread the OS preempts
-#: holds the others up briefly. Measured at 10M parameters in 200k-element tensors on 2 threads (kernel alone):
+#: holds the others up briefly. Measured at 10M parameters in 200k-element tensors on 2 threads (kernel alone, data
+#: partly in cache from the previous call):
 #: blocks of 100k elements 1.03-1.08x fused AdamW's step, of 25k 1.09x, of 50k 1.6-1.7x, recomputing u 1.3x.
 COMPILED_BLOCK_ELEMENTS = 1 << 17
 #: Elements of the update each thread of the compiled kernel may keep between its two passes over its blocks (a

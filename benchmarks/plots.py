@@ -4,8 +4,8 @@
 results.json --out PNG`` draws it again from a saved run. Figures show what the benchmark's table says, so a
 reader can see the ratios at a glance: ``ps`` epoch time and throughput per strategy with and without the slow
 worker, and the transport against gloo; ``balance`` epoch time with and without the balancer; ``scale`` push
-latency against the number of workers and step cost against model size. (``averaging`` has its own plots,
-:mod:`.averaging_plot`; ``lamb`` draws step times per optimizer.)
+latency against the number of workers and step cost against model size. ``averaging`` has its own plots,
+:mod:`.averaging_plot`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 results.json --out PNG`` draws it again from a saved run. Figures show what the benchmark's table says, so a
 reader can see the ratios at a glance: ``ps`` epoch time and throughput per strategy with and without the slow
 worker, and the transport against gloo; ``balance`` epoch time with and without the balancer; ``scale`` push
-latency against the number of workers and step cost against model size. ``averaging`` has its own plots,
-:mod:`.averaging_plot`.
+latency against the number of workers and step cost against model size; ``lamb`` each optimizer's step time
+relative to fused AdamW's, per allocator setting. ``averaging`` has its own plots, :mod:`.averaging_plot`.
 """
 
 from __future__ import annotations
@@ -127,8 +127,34 @@ def scale(results: dict[str, Any], out: Path) -> Path:
     return out
 
 
+def lamb(results: dict[str, Any], out: Path) -> Path:
+    """Step time ÷ fused AdamW's for every optimizer at the largest size, one panel per allocator setting."""
+    plt = _pyplot()
+    settings = results["settings"]
+    fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 4.8), squeeze=False)
+    for ax, (name, setting) in zip(axes[0], settings.items(), strict=True):
+        size = setting["sizes"][-1]
+        rows = [r for r in size["rows"] if r.get("status") == "ok" and r.get("ratio_vs_fused_adamw") is not None]
+        ax.barh([r["name"] for r in rows], [r["ratio_vs_fused_adamw"] for r in rows])
+        for i, r in enumerate(rows):
+            ax.annotate(f"{r['ratio_vs_fused_adamw']:.2f}×", (r["ratio_vs_fused_adamw"], i), va="center", fontsize=7)
+        ax.axvline(1.0, color="k", linewidth=0.8)
+        ax.invert_yaxis()
+        ax.set_xlabel("step time ÷ AdamW(fused=True)'s (median)")
+        malloc = "raised glibc thresholds" if name == "glibc_raised" else f"glibc {name}s"
+        ax.set_title(f"{size['label']} parameters in {size['tensors']} tensors, {malloc}", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+    load = results.get("loadavg_before")
+    at_load = f", load {load[0]:.1f} at the start" if load else ""
+    fig.suptitle(f"ivyplug bench lamb ({results.get('threads', '?')} threads{at_load})")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 #: benchmark name -> its figure
-PLOTS: dict[str, Callable[[dict[str, Any], Path], Path]] = {"ps": ps, "balance": balance, "scale": scale}
+PLOTS: dict[str, Callable[[dict[str, Any], Path], Path]] = {"ps": ps, "balance": balance, "scale": scale, "lamb": lamb}
 
 
 def main(argv: list[str] | None = None) -> int:

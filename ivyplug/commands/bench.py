@@ -34,7 +34,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not a measurement)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results here as JSON")
     parser.add_argument(
-        "--plot", type=Path, metavar="PNG", help="ps, balance, scale: also draw the results' figure here (matplotlib)"
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="ps, balance, scale, lamb: also draw the results' figure here (matplotlib)",
     )
     parser.add_argument(
         "--keras", action="store_true", help="lamb only: also compare the Keras LAMB with Keras's Lamb and AdamW"

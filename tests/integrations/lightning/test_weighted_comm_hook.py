@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -29,22 +30,29 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    models: list[torch.nn.Module] = []
     try:
         x, y = _data()
         start = sum(SIZES[:rank])
         xs, ys = x[start : start + SIZES[rank]], y[start : start + SIZES[rank]]
         grads = {}
         for compose in (False, True):  # one hook per model: a second model for the composed hook
-            model = torch.nn.parallel.DistributedDataParallel(_model())
+            models.append(torch.nn.parallel.DistributedDataParallel(_model()))
+            model = models[-1]
             state = ShareHookState(world_size=2, weight=SIZES[rank] / sum(SIZES))
             if compose:
                 state.user_hook, state.user_state = default_hooks.allreduce_hook, None
             model.register_comm_hook(state, share_weighted_hook)
             torch.nn.functional.cross_entropy(model(xs), ys).backward()
-            grads[compose] = [p.grad for p in model.parameters()]
+            grads[compose] = [p.grad.clone() for p in model.parameters()]
             assert state.calls > 0 and state.last_bucket_time is not None
+            del model
         torch.save(grads, out)
     finally:
+        # the DDP reducers hold the process group: end them before it, not at interpreter exit (one CI run
+        # saw a worker abort after its results were saved, "terminate called without an active exception")
+        models.clear()
+        gc.collect()
         dist.destroy_process_group()
 
 

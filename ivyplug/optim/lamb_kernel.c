@@ -227,48 +227,42 @@ typedef struct {
     double *ratios;
 } lamb_job;
 
-/* Pass 1 over [lo, hi): moments in place, and the two squared norms into sums[0], sums[1]. */
-static void lamb_pass1(const hyper_t *h, float c, float eps_s, const float *restrict x, const float *restrict g,
-                       float *restrict m, float *restrict v, int64_t lo, int64_t hi, double *sums) {
-    const float b1 = h->beta1, ob1 = h->one_minus_beta1, b2 = h->beta2, ob2 = h->one_minus_beta2;
-    const float gs = h->grad_scale, wd = h->weight_decay;
-    double sx = 0.0, su = 0.0;
-#pragma omp simd reduction(+ : sx, su)
-    for (int64_t i = lo; i < hi; i++) {
-        float gi = g[i] * gs;
-        float mi = b1 * m[i] + ob1 * gi;
-        float vi = b2 * v[i] + ob2 * (gi * gi);
-        m[i] = mi;
-        v[i] = vi;
-        float xi = x[i];
-        float u = c * (mi / (sqrtf(vi) + eps_s)) + wd * xi;
-        sx += (double)xi * (double)xi;
-        su += (double)u * (double)u;
-    }
-    sums[0] = sx;
-    sums[1] = su;
+/* One element's moments, updated in place, and its direction u = c * m / (sqrt(v) + eps_s) + wd * x: the one
+ * formula every pass below uses (inlined into each loop, so the loops still vectorise). */
+static inline float lamb_moments(const hyper_t *h, float c, float eps_s, float xi, float gi_raw, float *restrict m,
+                                 float *restrict v, int64_t i) {
+    float gi = gi_raw * h->grad_scale;
+    float mi = h->beta1 * m[i] + h->one_minus_beta1 * gi;
+    float vi = h->beta2 * v[i] + h->one_minus_beta2 * (gi * gi);
+    m[i] = mi;
+    v[i] = vi;
+    return c * (mi / (sqrtf(vi) + eps_s)) + h->weight_decay * xi;
 }
 
-/* Pass 1 that also keeps u (in a per-thread scratch small enough to stay in cache): pass 2 then neither reads
- * the moments again nor repeats the square root and the division. */
-static void lamb_pass1_keep(const hyper_t *h, float c, float eps_s, const float *restrict x, const float *restrict g,
-                            float *restrict m, float *restrict v, float *restrict u_out, int64_t lo, int64_t hi,
-                            double *sums) {
-    const float b1 = h->beta1, ob1 = h->one_minus_beta1, b2 = h->beta2, ob2 = h->one_minus_beta2;
-    const float gs = h->grad_scale, wd = h->weight_decay;
+/* Pass 1 over [lo, hi): moments in place, and the two squared norms into sums[0], sums[1]. With u_out (a
+ * per-thread scratch small enough to stay in cache) it also keeps u: pass 2 then neither reads the moments again
+ * nor repeats the square root and the division. */
+static void lamb_pass1(const hyper_t *h, float c, float eps_s, const float *restrict x, const float *restrict g,
+                       float *restrict m, float *restrict v, float *restrict u_out, int64_t lo, int64_t hi,
+                       double *sums) {
     double sx = 0.0, su = 0.0;
+    if (u_out != NULL) {
 #pragma omp simd reduction(+ : sx, su)
-    for (int64_t i = lo; i < hi; i++) {
-        float gi = g[i] * gs;
-        float mi = b1 * m[i] + ob1 * gi;
-        float vi = b2 * v[i] + ob2 * (gi * gi);
-        m[i] = mi;
-        v[i] = vi;
-        float xi = x[i];
-        float u = c * (mi / (sqrtf(vi) + eps_s)) + wd * xi;
-        u_out[i - lo] = u;
-        sx += (double)xi * (double)xi;
-        su += (double)u * (double)u;
+        for (int64_t i = lo; i < hi; i++) {
+            float xi = x[i];
+            float u = lamb_moments(h, c, eps_s, xi, g[i], m, v, i);
+            u_out[i - lo] = u;
+            sx += (double)xi * (double)xi;
+            su += (double)u * (double)u;
+        }
+    } else {
+#pragma omp simd reduction(+ : sx, su)
+        for (int64_t i = lo; i < hi; i++) {
+            float xi = x[i];
+            float u = lamb_moments(h, c, eps_s, xi, g[i], m, v, i);
+            sx += (double)xi * (double)xi;
+            su += (double)u * (double)u;
+        }
     }
     sums[0] = sx;
     sums[1] = su;
@@ -295,18 +289,10 @@ static void lamb_pass2(const hyper_t *h, float c, float eps_s, float step, float
 /* Ratio 1 (layer adaptation excluded): moments and update in one pass. */
 static void lamb_single_pass(const hyper_t *h, float c, float eps_s, float step, float *restrict x,
                              const float *restrict g, float *restrict m, float *restrict v, int64_t lo, int64_t hi) {
-    const float b1 = h->beta1, ob1 = h->one_minus_beta1, b2 = h->beta2, ob2 = h->one_minus_beta2;
-    const float gs = h->grad_scale, wd = h->weight_decay;
 #pragma omp simd
     for (int64_t i = lo; i < hi; i++) {
-        float gi = g[i] * gs;
-        float mi = b1 * m[i] + ob1 * gi;
-        float vi = b2 * v[i] + ob2 * (gi * gi);
-        m[i] = mi;
-        v[i] = vi;
         float xi = x[i];
-        float u = c * (mi / (sqrtf(vi) + eps_s)) + wd * xi;
-        x[i] = xi - step * u;
+        x[i] = xi - step * lamb_moments(h, c, eps_s, xi, g[i], m, v, i);
     }
 }
 
@@ -323,12 +309,7 @@ static double trust_ratio(double x_sq, double u_sq, double lo, double hi) {
 
 static void first_pass(lamb_job *job, int64_t k, float *u, int64_t a, int64_t b, double *sums) {
     float c = job->c[k], e = job->eps_s[k];
-    if (u != NULL) {
-        lamb_pass1_keep(&job->h, c, e, job->params[k], job->grads[k], job->exp_avgs[k], job->exp_avg_sqs[k], u, a, b,
-                        sums);
-    } else {
-        lamb_pass1(&job->h, c, e, job->params[k], job->grads[k], job->exp_avgs[k], job->exp_avg_sqs[k], a, b, sums);
-    }
+    lamb_pass1(&job->h, c, e, job->params[k], job->grads[k], job->exp_avgs[k], job->exp_avg_sqs[k], u, a, b, sums);
 }
 
 static void second_pass(lamb_job *job, int64_t k, const float *u, float step, int64_t a, int64_t b) {

@@ -26,6 +26,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def _bars(ax: Any, groups: list[str], series: dict[str, list[float]], ylabel: str) -> None:
     width = 0.8 / max(1, len(series))
     for i, (label, values) in enumerate(series.items()):
@@ -66,10 +73,7 @@ def ps(results: dict[str, Any], out: Path) -> Path:
     wire.set_title("transport on loopback, same run")
     load = results.get("loadavg_end")
     fig.suptitle(f"ivyplug bench ps ({results.get('cpu_count')} CPUs, load at the end {load[0]:.1f})" if load else "")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def balance(results: dict[str, Any], out: Path) -> Path:
@@ -85,10 +89,7 @@ def balance(results: dict[str, Any], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9, 4.2))
     _bars(ax, groups, series, "epoch time (s, median of epochs 2-4)")
     ax.set_title("ivyplug bench balance: digits MLP, 2 workers")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def scale(results: dict[str, Any], out: Path) -> Path:
@@ -121,10 +122,7 @@ def scale(results: dict[str, Any], out: Path) -> Path:
         cost.set_ylabel("push+pull per step (ms)")
         cost.legend(fontsize=8)
     fig.suptitle("ivyplug bench scale: one ivyplug serve process")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def lamb(results: dict[str, Any], out: Path) -> Path:
@@ -147,10 +145,7 @@ def lamb(results: dict[str, Any], out: Path) -> Path:
     load = results.get("loadavg_before")
     at_load = f", load {load[0]:.1f} at the start" if load else ""
     fig.suptitle(f"ivyplug bench lamb ({results.get('threads', '?')} threads{at_load})")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 #: benchmark name -> its figure

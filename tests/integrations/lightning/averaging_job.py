@@ -29,7 +29,7 @@ SYNC_EVERY = 16
 class AveragingMLP(DigitsMLP):
     """The digits MLP with SGD in LocalUpdates (local steps, a delta merged by ``outer`` every 16 steps)."""
 
-    def __init__(self, outer: str, outer_lr: float | None, outer_momentum: float, **kwargs: Any) -> None:
+    def __init__(self, outer: str, outer_lr: float | None, outer_momentum: float | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
 
@@ -54,7 +54,7 @@ def run(spec: str) -> dict[str, Any]:
     seed_everything(0)
     if kind == "local":
         lr_out = float(outer_lr) if outer_lr else None
-        beta = float(momentum) if momentum else 0.9
+        beta = float(momentum) if momentum else None  # None: LocalUpdates' own default
         model: DigitsMLP = AveragingMLP(outer, lr_out, beta, hidden=64, lr=inner_lr, batch_size=32, shuffle=True)
     else:
         lr = 0.1 if outer == "sgd" else 2e-2

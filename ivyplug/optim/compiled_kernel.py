@@ -11,7 +11,9 @@ Selection: ``IVYPLUG_LAMB_KERNEL`` (:data:`KERNEL_ENV`) = ``auto`` (default: com
 argument of :func:`ivyplug.optim.functional.lamb`. ``CC`` names the compiler (default: ``cc``, ``gcc`` or
 ``clang`` on ``PATH``); the cache lives in ``$XDG_CACHE_HOME/ivyplug`` (default ``~/.cache/ivyplug``).
 
-ctypes releases the GIL for the call; the kernel runs its own threads (pthreads, spin-then-yield barriers).
+ctypes releases the GIL for the call. The kernel's threads are the process's OpenMP team (torch's, looked up in the
+process, never loaded: its workers are the ones spinning on the cores after torch's last parallel op), else
+pthreads of its own; :meth:`CompiledKernel.openmp_threads` says which.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c11", "-fPIC", "-shared", "-pthread"),
     ("-O3", "-fno-math-errno", "-std=c11", "-fPIC", "-shared", "-pthread"),
 )
+#: Libraries, after the source: dlopen/dlsym (part of libc since glibc 2.34, in libdl before; the kernel looks up
+#: the process's OpenMP runtime with them).
+LIBS: tuple[str, ...] = ("-ldl",) if sys.platform.startswith("linux") else ()
 #: Seconds a compiler run may take before it counts as a failed build.
 COMPILE_TIMEOUT_S = 120.0
 
@@ -79,8 +84,20 @@ class CompiledKernel:
         lib.ivy_lamb_f32.restype = cint
         lib.ivy_sumsq_f32.argtypes = [i64, p, p, cint, i64, i64, i64]
         lib.ivy_sumsq_f32.restype = f64
+        lib.ivy_openmp_threads.argtypes = []
+        lib.ivy_openmp_threads.restype = cint
+        lib.ivy_allow_openmp.argtypes = [cint]
+        lib.ivy_allow_openmp.restype = None
         self._lib = lib
         self.path = path
+
+    def openmp_threads(self) -> bool:
+        """Whether the kernel runs on the process's OpenMP team (True) or on pthreads of its own (False)."""
+        return bool(self._lib.ivy_openmp_threads())
+
+    def allow_openmp(self, allow: bool) -> None:
+        """Use the OpenMP team when there is one (the default), or always pthreads (tests, comparisons)."""
+        self._lib.ivy_allow_openmp(int(allow))
 
     def lamb(
         self,
@@ -196,7 +213,7 @@ def _library_path(directory: Path, compiler: list[str], flags: Sequence[str], so
     except OSError:
         compiler_id = str(compiler)
     digest = hashlib.sha256(
-        b"\0".join([source, compiler_id.encode(), " ".join(flags).encode(), _machine_id().encode()])
+        b"\0".join([source, compiler_id.encode(), " ".join([*flags, *LIBS]).encode(), _machine_id().encode()])
     ).hexdigest()[:24]
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
     return directory / f"lamb_kernel-{digest}{suffix}"
@@ -209,7 +226,7 @@ def _build(compiler: list[str], flags: Sequence[str], target: Path) -> str | Non
     os.close(fd)
     try:
         proc = subprocess.run(
-            [*compiler, *flags, "-o", tmp, str(SOURCE)],
+            [*compiler, *flags, "-o", tmp, str(SOURCE), *LIBS],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,

@@ -1,7 +1,9 @@
 /*
  * ivyplug's compiled LAMB step for contiguous float32 CPU tensors (loaded by ivyplug/optim/compiled_kernel.py).
  *
- * Plain C11 and pthreads, no torch headers, so that it builds in about a second with the system compiler.
+ * Plain C11 and pthreads, no torch headers, so that it builds in about a second with the system compiler. The
+ * threads are the OpenMP team torch already runs on when the process has an OpenMP runtime (see run_threads),
+ * else pthreads of its own.
  *
  * Per tensor, two passes instead of the torch kernel's five or six:
  *   pass 1 reads x, g, m, v; writes m, v; sums |x|^2 and |u|^2 with u = c*m/(sqrt(v)+eps') + wd*x,
@@ -19,6 +21,8 @@
  * scheduling. The trust ratio rule is the Python one: ||x||/||u||
  * clipped to [min_ratio, max_ratio], exactly 1 when either norm is 0 or not finite.
  */
+#define _GNU_SOURCE /* RTLD_DEFAULT and RTLD_NOLOAD in glibc's dlfcn.h */
+#include <dlfcn.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -40,17 +44,17 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Sense-reversing barrier: spins briefly, then yields, so a loaded machine gets the core back. */
+/* Sense-reversing barrier: spins briefly, then yields, so a loaded machine gets the core back. The team size is
+ * passed by each thread (it is known only once the team has started). */
 typedef struct {
     atomic_int count;
     atomic_int sense;
-    int n;
 } barrier_t;
 
-static void barrier_wait(barrier_t *b, int *local_sense) {
+static void barrier_wait(barrier_t *b, int *local_sense, int n) {
     int s = !*local_sense;
     *local_sense = s;
-    if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == b->n - 1) {
+    if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == n - 1) {
         atomic_store_explicit(&b->count, 0, memory_order_relaxed);
         atomic_store_explicit(&b->sense, s, memory_order_release);
         return;
@@ -66,6 +70,71 @@ static void barrier_wait(barrier_t *b, int *local_sense) {
 
 typedef void (*work_fn)(void *ctx, int tid, int nthreads, barrier_t *barrier);
 
+/* ---- Threads from the process's OpenMP runtime, when one is loaded ------------------------------------------
+ * torch's CPU ops run on its OpenMP team, whose workers keep spinning on their cores for a while after each
+ * parallel region. Threads of our own would then compete with them for the same cores (on two cores the second
+ * one gets about half of one). Running on that team instead reuses the spinning workers. The runtime is looked
+ * up, never loaded: the entry points that compiled "#pragma omp parallel" code calls (GOMP_parallel, exported by
+ * libgomp and, for compatibility, by LLVM's and Intel's runtimes) are taken from the process when present, so
+ * the build needs no -fopenmp; without them the pthreads below run instead. */
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
+typedef int (*omp_int_fn)(void);
+
+static gomp_parallel_fn omp_parallel;
+static omp_int_fn omp_thread_num, omp_num_threads;
+static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
+static atomic_int omp_allowed = 1;
+
+static void *omp_symbol(void *handle, const char *name) { return handle == NULL ? NULL : dlsym(handle, name); }
+
+static void omp_resolve(void) {
+    static const char *const names[] = {"libgomp.so.1", "libomp.so", "libiomp5.so", "libomp.dylib",
+                                        "libiomp5.dylib"};
+    void *handles[1 + sizeof(names) / sizeof(names[0])];
+    int n = 0;
+    handles[n++] = RTLD_DEFAULT;
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        void *h = dlopen(names[i], RTLD_LAZY | RTLD_NOLOAD); /* only a runtime that is already loaded */
+        if (h != NULL) handles[n++] = h;
+    }
+    for (int i = 0; i < n; i++) {
+        void *par = omp_symbol(handles[i], "GOMP_parallel");
+        void *num = omp_symbol(handles[i], "omp_get_thread_num");
+        void *cnt = omp_symbol(handles[i], "omp_get_num_threads");
+        if (par != NULL && num != NULL && cnt != NULL) {
+            /* POSIX guarantees that a dlsym result converts to a function pointer. */
+            *(void **)&omp_parallel = par;
+            *(void **)&omp_thread_num = num;
+            *(void **)&omp_num_threads = cnt;
+            return;
+        }
+    }
+}
+
+/* 1 when the threads come from the process's OpenMP runtime, 0 when from pthreads. */
+int ivy_openmp_threads(void) {
+    pthread_once(&omp_once, omp_resolve);
+    return omp_parallel != NULL && atomic_load_explicit(&omp_allowed, memory_order_relaxed);
+}
+
+/* Whether the OpenMP runtime may be used (1, the default) or pthreads always (0): for tests and comparisons. */
+void ivy_allow_openmp(int allow) { atomic_store_explicit(&omp_allowed, allow != 0, memory_order_relaxed); }
+
+typedef struct {
+    work_fn fn;
+    void *ctx;
+    barrier_t *barrier;
+    atomic_int used;
+} omp_arg;
+
+static void omp_trampoline(void *raw) {
+    omp_arg *a = (omp_arg *)raw;
+    int tid = omp_thread_num(), n = omp_num_threads();
+    if (tid == 0) atomic_store_explicit(&a->used, n, memory_order_relaxed);
+    a->fn(a->ctx, tid, n, a->barrier);
+}
+
+/* ---- Threads of our own ------------------------------------------------------------------------------------ */
 typedef struct {
     work_fn fn;
     void *ctx;
@@ -88,17 +157,26 @@ static void *trampoline(void *raw) {
     return NULL;
 }
 
-/* Runs fn on `want` threads (the caller's is thread 0); fewer if threads cannot be created. Returns the count. */
+/* Runs fn on `want` threads (the caller's is thread 0); fewer if threads cannot be had (a call from inside a
+ * parallel region gets a team of one). Returns the count. */
 static int run_threads(int want, work_fn fn, void *ctx) {
     barrier_t barrier;
     atomic_init(&barrier.count, 0);
     atomic_init(&barrier.sense, 0);
     if (want <= 1) {
-        barrier.n = 1;
         fn(ctx, 0, 1, &barrier);
         return 1;
     }
     if (want > IVY_MAX_THREADS) want = IVY_MAX_THREADS;
+    if (ivy_openmp_threads()) {
+        omp_arg arg;
+        arg.fn = fn;
+        arg.ctx = ctx;
+        arg.barrier = &barrier;
+        atomic_init(&arg.used, 1);
+        omp_parallel(omp_trampoline, &arg, (unsigned)want, 0);
+        return atomic_load_explicit(&arg.used, memory_order_relaxed);
+    }
     pthread_t ids[IVY_MAX_THREADS];
     thread_arg args[IVY_MAX_THREADS];
     atomic_int go;
@@ -109,7 +187,6 @@ static int run_threads(int want, work_fn fn, void *ctx) {
         if (pthread_create(&ids[t], NULL, trampoline, &args[t]) != 0) break;
         n++;
     }
-    barrier.n = n;
     atomic_store_explicit(&go, 1, memory_order_release);
     fn(ctx, 0, n, &barrier);
     for (int t = 1; t < n; t++) pthread_join(ids[t], NULL);
@@ -368,7 +445,6 @@ static void lamb_whole(lamb_job *job, int64_t k) {
 }
 
 static void lamb_work(void *raw, int tid, int nthreads, barrier_t *barrier) {
-    (void)nthreads;
     lamb_job *job = (lamb_job *)raw;
     int sense = 0;
     for (int64_t j; (j = atomic_fetch_add_explicit(&job->next_small, 1, memory_order_relaxed)) < job->n_small;) {
@@ -401,7 +477,7 @@ static void lamb_work(void *raw, int tid, int nthreads, barrier_t *barrier) {
             first_pass(job, k, u, lo, hi, sums + 2 * b);
             mine[taken++] = b;
         }
-        barrier_wait(barrier, &sense); /* every block's sums are in; the barrier orders their writes before the reads */
+        barrier_wait(barrier, &sense, nthreads); /* every block's sums are in; the barrier orders their writes before the reads */
         double x_sq = 0.0, u_sq = 0.0;
         for (int64_t b = 0; b < blocks; b++) {
             x_sq += sums[2 * b];

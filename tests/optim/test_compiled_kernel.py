@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,6 +133,41 @@ def test_results_are_deterministic(split: tuple[int, int, int]) -> None:
         outs.append(params)
     for other in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=True))
+
+
+@needs_compiler
+@pytest.mark.parametrize("split", [(3, 5, 1 << 18), (2, 7, 0)], indirect=True)
+def test_openmp_team_and_own_threads_agree(split: tuple[int, int, int]) -> None:
+    """The kernel runs on torch's OpenMP team where the process has one, else on pthreads of its own; from a
+    thread that is not the main one it gets a team of its own. Every way gives bit-identical results (the block
+    lengths follow from the threads asked for, not from the team), the gradient norm included."""
+    lib = compiled_kernel.load(required=True)
+    assert lib is not None
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        assert lib.openmp_threads(), "torch runs on OpenMP here: the kernel should find its runtime"
+
+    def run() -> tuple[list[torch.Tensor], list[float | torch.Tensor], float]:
+        params, m, v = _state(11)
+        grads = _grads(torch.Generator().manual_seed(12), params)
+        ratios = lamb(params, grads, m, v, [torch.zeros(()) for _ in params], kernel="compiled", **HYPER)  # type: ignore[arg-type]
+        return params + m + v, ratios, float(F.global_grad_norm(grads, kernel="compiled"))
+
+    outs = [run()]
+    other: list[tuple[list[torch.Tensor], list[float | torch.Tensor], float]] = []
+    worker = threading.Thread(target=lambda: other.append(run()))
+    worker.start()
+    worker.join()
+    outs += other
+    lib.allow_openmp(False)
+    try:
+        assert not lib.openmp_threads()
+        outs.append(run())
+    finally:
+        lib.allow_openmp(True)
+    assert len(outs) == 3
+    for tensors, ratios, norm in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0][0], tensors, strict=True))
+        assert ratios == outs[0][1] and norm == outs[0][2]
 
 
 @needs_compiler

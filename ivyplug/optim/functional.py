@@ -27,9 +27,9 @@ docs/benchmarks.md). On accelerators it saves launches, as in torch.optim.
 
 The compiled kernel (:mod:`ivyplug.optim.compiled_kernel`, ``kernel=`` or ``IVYPLUG_LAMB_KERNEL``) takes the place
 of the CPU multi-tensor kernel for contiguous float32 tensors: two passes per tensor in C (moments and both norms;
-then the update, kept in a cache-sized scratch or recomputed), split across ``torch.get_num_threads()`` threads
-(one below :data:`COMPILED_PARALLEL_ELEMENTS`). The torch kernels stay the reference and the fallback: for every
-other tensor, and whenever no C compiler is at hand.
+then the update, kept in a cache-sized scratch or recomputed), split across ``torch.get_num_threads()`` threads of
+torch's own OpenMP team where there is one (one thread below :data:`COMPILED_PARALLEL_ELEMENTS`). The torch kernels
+stay the reference and the fallback: for every other tensor, and whenever no C compiler is at hand.
 """
 
 from __future__ import annotations
@@ -68,10 +68,11 @@ DEVICE_CHUNK_ELEMENTS = 1 << 25
 #: Fewest elements per thread for the compiled kernel to split one tensor (or the gradient norm) across threads:
 #: below it the threads' start-up and the barrier cost more than the pass; such tensors are shared out whole.
 COMPILED_SPLIT_ELEMENTS = 1 << 15
-#: Below this many elements in one call the compiled kernel runs on one thread: on a shared machine a second
-#: thread may wait for a core longer than it saves (measured at 1M parameters in 40 tensors, kernel alone: 0.73x
-#: fused AdamW's step on one thread, 1.09x on two).
-COMPILED_PARALLEL_ELEMENTS = 1 << 21
+#: Below this many elements in one call the compiled kernel runs on one thread: waking the second one costs more
+#: than it saves. Measured with the kernel on torch's OpenMP team, whole steps interleaved with fused AdamW's
+#: (2 threads): 100k parameters in 20 tensors 0.88x on one thread, 0.92x on two; 300k in 20 1.36x and 1.13x;
+#: 1M in 40 1.34-1.49x and 1.14-1.18x.
+COMPILED_PARALLEL_ELEMENTS = 1 << 18
 #: About this many elements per block that a thread of the compiled kernel claims at a time (512 KiB per buffer):
 #: small enough that a thread's blocks stay in its cache between the two passes and that a thread the OS preempts
 #: holds the others up briefly. Measured at 10M parameters in 200k-element tensors on 2 threads (kernel alone, data

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -127,6 +128,10 @@ class IvyPSStrategy(DDPStrategy):
         wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: pushes (gradients, AsyncLAMB's deltas with error
             feedback) and pulled parameters cross the wire in bf16, half the bytes; the servers keep fp32
             (also ``IVYPLUG_PS_WIRE_DTYPE`` or ``wire_dtype`` in ``[tool.ivyplug.ps]``).
+        overlap_backward: ``True`` (default): each shard's gradients leave from backward's gradient hooks as
+            soon as backward has produced them all (the transfer overlaps the rest of backward, as DDP's
+            buckets do); the servers apply a push only at the optimizer step, after the whole push was
+            checked. Micro-batches of ``accumulate_grad_batches`` send nothing. ``False``: push at the step.
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
         max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)
@@ -155,6 +160,7 @@ class IvyPSStrategy(DDPStrategy):
         servers: str | None = None,
         token: str | None = None,
         wire_dtype: str | None = None,
+        overlap_backward: bool = True,
         *,
         process_group_timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -170,7 +176,7 @@ class IvyPSStrategy(DDPStrategy):
             raise ValueError(
                 f"IvyPSStrategy got unknown keyword argument(s) {sorted(unknown)}; allowed: mode, staleness, "
                 "num_servers, staleness_scaling, timeout, max_shard_bytes, nonfinite, servers, token, wire_dtype, "
-                "process_group_timeout, "
+                "overlap_backward, process_group_timeout, "
                 "start_method, "
                 "accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, "
                 "process_group_backend"
@@ -188,6 +194,7 @@ class IvyPSStrategy(DDPStrategy):
             servers=servers if servers is not None else project.get("servers"),
             token=settings_token(token),
             wire_dtype=_first(wire_dtype, project.get("wire_dtype"), "float32"),
+            overlap_backward=overlap_backward,
         )
         if start_method not in START_METHODS:
             raise ValueError(f"IvyPSStrategy.start_method must be one of {START_METHODS}, got {start_method!r}")
@@ -429,6 +436,16 @@ class IvyPSStrategy(DDPStrategy):
             self._samples_since_step += 1
 
     # ------------------------------------------------------------------ the step
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """A micro-batch that does not step (``accumulate_grad_batches``): its backward sends nothing early."""
+        if self._client is None:
+            yield
+            return
+        with self._client.hold_pushes():
+            yield
+
     def optimizer_step(
         self,
         optimizer: Optimizer,

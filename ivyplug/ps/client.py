@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ivyplug.ps import checkpoint, service_link, topology
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.dispatch import WAIT, check_count, check_epoch
+from ivyplug.ps.early_push import EarlyPush
 from ivyplug.ps.endpoints import PendingReply, PSServerError, WireEndpoint, WireStats
 from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.member_group import MemberGroup
@@ -93,6 +94,8 @@ class PSClient:
         #: before the first step, and after a step whose every push was dropped. With this worker's own
         #: gradient norm it gives the gradient noise scale (``ivyplug.load.goodput``) at no extra traffic.
         self.combined_grad_sq_norm: float | None = None
+        #: backward's gradient hooks that send each shard's data early (PSConfig.overlap_backward), else None
+        self.early: EarlyPush | None = None
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -173,6 +176,8 @@ class PSClient:
             # from here on the workers meet through the service: a worker that dies leaves, never hangs them
             self._launch_group = self.workers
             self.workers = MemberGroup(self.topo.link, rank, world_size, cfg.timeout, self.m.wire)
+        if cfg.overlap_backward:
+            self.early = EarlyPush(self.layout, self._send_early)
         return self
 
     @property
@@ -223,11 +228,30 @@ class PSClient:
             staleness.append(r.staleness)
             grad_sq += r.grad_sq
             self.layout.unpack(s, r.snapshot)
+        self._flush_sends()
+        return staleness, grad_sq
+
+    def _flush_sends(self) -> None:
+        """Wait until every message this worker sent without waiting has left (its buffers are free again)."""
         if self.topo.channel is not None:
             self.topo.channel.flush()
         for other in self.topo.others:
             other.channel.flush()
-        return staleness, grad_sq
+
+    def _send_early(self, shard: int, data: torch.Tensor) -> None:
+        """From a gradient hook (early_push.py): shard ``shard``'s data, ahead of the step's commit."""
+        with self._servers_named():
+            self.topo.endpoints[shard].push_data(self.rank, data)
+
+    def hold_pushes(self) -> contextlib.AbstractContextManager[None]:
+        """Backward inside sends nothing early (gradient accumulation: a micro-batch that does not step)."""
+        return self.early.hold() if self.early is not None else contextlib.nullcontext()
+
+    def stop_early_pushes(self) -> None:
+        """Remove the gradient hooks: the ``.grad`` fields a step pushes are not set by backward (deltas)."""
+        if self.early is not None:
+            self.early.close()
+            self.early = None
 
     @contextlib.contextmanager
     def _servers_named(self) -> Iterator[None]:
@@ -252,6 +276,8 @@ class PSClient:
             pending = [(s, ep.pull(self.rank)) for s, ep in self.topo.endpoints.items()]
             self._collect(pending)
         self.m.pulls += 1
+        if self.early is not None:
+            self.early.arm()
 
     def step(self, num_samples: int, max_grad_norm: float | None = None, *, delta: bool = False) -> None:
         """Push this worker's gradients (+ buffers, hyperparameters), wait as the mode says, pull.
@@ -279,13 +305,21 @@ class PSClient:
                 "max_grad_norm in sync mode clips by the global norm, which the shards of a job on several ivyplug "
                 "serve processes cannot combine (yet): hold every shard in one service, or clip in async/ssp"
             )
-        packed = {s: self.layout.pack(s, clip) for s in self.topo.endpoints}
+        early: set[int] = set()
+        if self.early is not None:
+            early = self.early.take(valid=clip == 1.0)
+            if self.early.stale:  # sent early, changed since: its send must be done before it is packed again
+                self._flush_sends()
+        packed = {s: self.layout.packed(s) if s in early else self.layout.pack(s, clip) for s in self.topo.endpoints}
         flags = self._check_push(packed) | (PushFlag.DELTA if delta else 0)
         has_grad = encode_mask([p.grad is not None for _, p in self.params])
         prefix = torch.tensor([sync_clip, float(num_samples), float(flags), *has_grad], dtype=torch.float64)
         hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
         with self._servers_named():
-            pending = [(s, ep.push_pull(self.rank, packed[s], hyper)) for s, ep in self.topo.endpoints.items()]
+            pending = [
+                (s, ep.push_pull(self.rank, None if s in early else packed[s], hyper))
+                for s, ep in self.topo.endpoints.items()
+            ]
             staleness, grad_sq = self._collect(pending)
         self.combined_grad_sq_norm = grad_sq if self.cfg.mode == "sync" and math.isfinite(grad_sq) else None
         self.m.pushes += 1
@@ -297,6 +331,8 @@ class PSClient:
             tau_max = max(staleness)
             self.m.staleness_sum += tau_max
             self.m.staleness_max = max(self.m.staleness_max, tau_max)
+        if self.early is not None:
+            self.early.arm()
 
     def _check_push(self, packed: dict[int, torch.Tensor]) -> int:
         """Push flags after checking the whole push (every shard's part) for NaN/Inf, before any is sent.
@@ -476,6 +512,8 @@ class PSClient:
             "wait_seconds": m.wire.wait_seconds,
             "batches": float(m.batches),
             "nonfinite_skipped": float(m.nonfinite_skipped),
+            "shards_sent_early": float(self.early.sent_early if self.early is not None else 0),
+            "shards_sent_again": float(self.early.sent_again if self.early is not None else 0),
         }
 
     @property
@@ -500,6 +538,7 @@ class PSClient:
         if self.closed:
             return
         self.closed = True
+        self.stop_early_pushes()
         topo, channel = self.topo, self.topo.channel
         if channel is None:
             return

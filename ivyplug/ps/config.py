@@ -34,6 +34,9 @@ class PSConfig:
     of ``"float32"`` (default); the servers keep fp32 masters and integer buffers travel exactly. A local-update
     delta carries its rounding error into the next delta (error feedback, delta_exchange.py). A finite fp32
     value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
+    ``overlap_backward=True`` (default) sends each shard's gradients from backward's gradient hooks as soon as
+    backward has produced them all, so the transfer overlaps the rest of backward (early_push.py); the
+    shards apply a push only at the step, after the whole push was checked. ``False``: everything at the step.
     """
 
     mode: str = "async"
@@ -46,6 +49,7 @@ class PSConfig:
     servers: str | None = None
     token: str | None = field(default=None, repr=False)
     wire_dtype: str = "float32"
+    overlap_backward: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,6 +92,8 @@ class PSConfig:
                 f"PSConfig.max_shard_bytes must be 'auto', None or an int > 0, got {self.max_shard_bytes!r}"
             )
 
+        if not isinstance(self.overlap_backward, bool):
+            raise ValueError(f"PSConfig.overlap_backward must be True or False, got {self.overlap_backward!r}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"PSConfig.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         if self.servers is not None:

@@ -5,7 +5,8 @@ this process (a co-located worker's own shard: gloo cannot send to itself); :cla
 same requests as fixed-header messages (messages.py) to the rank that serves the shard, whose server loop
 decodes them into the same shard calls. Both answer ``push_pull`` and ``pull`` with a :class:`PendingReply`
 whose ``result(timeout)`` blocks until the reply is there (no polling), so a step posts every shard's
-request first and then collects the replies.
+request first and then collects the replies. ``push_data`` sends a push's data ahead (from backward's gradient
+hooks, early_push.py); the ``push_pull`` without data that follows applies it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class ShardEndpoint(Protocol):
 
     shard: int
 
-    def push_pull(self, worker: int, data: torch.Tensor, hyper: torch.Tensor) -> PendingReply: ...
+    def push_data(self, worker: int, data: torch.Tensor) -> None: ...
+
+    def push_pull(self, worker: int, data: torch.Tensor | None, hyper: torch.Tensor) -> PendingReply: ...
 
     def pull(self, worker: int) -> PendingReply: ...
 
@@ -86,8 +89,17 @@ class InProcessEndpoint:
         self.target = shard
         self.shard = shard.shard
         self._stats = stats if stats is not None else WireStats()
+        self._held: dict[int, torch.Tensor] = {}  # worker -> the data of its next push (push_data)
 
-    def push_pull(self, worker: int, data: torch.Tensor, hyper: torch.Tensor) -> PendingReply:
+    def push_data(self, worker: int, data: torch.Tensor) -> None:
+        self._held[worker] = data
+
+    def push_pull(self, worker: int, data: torch.Tensor | None, hyper: torch.Tensor) -> PendingReply:
+        held = self._held.pop(worker, None)
+        if data is None:
+            if held is None:
+                raise PSProtocolError(f"shard {self.shard}: a push without data, and no data sent before it")
+            data = held
         return _LocalReply(self.target.push_pull(worker, data, hyper), self.target, worker, self._stats)
 
     def pull(self, worker: int) -> PendingReply:
@@ -198,7 +210,15 @@ class WireEndpoint:
         self._stats.bytes_sent += self.channel.send(self.dst, h, data, hyper, wait=True)
 
     # -- the shard interface ------------------------------------------------------------------------
-    def push_pull(self, worker: int, data: torch.Tensor, hyper: torch.Tensor) -> PendingReply:
+    def push_data(self, worker: int, data: torch.Tensor) -> None:
+        """Send a push's data without waiting (kept alive until the channel's flush)."""
+        flags = 0
+        if self.bf16 is not None:
+            flags, data = Flag.BF16, self.bf16.encode(data)
+        h = Header(kind=Kind.PUSH_DATA, sender=self.channel.rank, shard=self.shard, flags=flags)
+        self._stats.bytes_sent += self.channel.send(self.dst, h, data, wait=False)
+
+    def push_pull(self, worker: int, data: torch.Tensor | None, hyper: torch.Tensor) -> PendingReply:
         return self.request(Kind.PUSH_PULL, data, hyper, what=f"the push/pull of shard {self.shard}")
 
     def pull(self, worker: int) -> PendingReply:

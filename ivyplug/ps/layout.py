@@ -92,6 +92,10 @@ class FlatLayout:
                 dst.mul_(clip)
         return out
 
+    def packed(self, shard: int) -> torch.Tensor:
+        """The buffer :meth:`pack` last filled for ``shard``."""
+        return self._push_bufs[shard]
+
     def unpack(self, shard: int, flat: torch.Tensor) -> None:
         """Write a reply (``shard``'s params then buffers) into this worker's tensors."""
         with torch.no_grad():

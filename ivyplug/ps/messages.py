@@ -34,7 +34,8 @@ MAX_ERROR_TEXT = 4000
 class Kind:
     """Message kinds (header field ``kind``)."""
 
-    PUSH_PULL = 1  # gradients (+ buffers, hyperparameters) in; fresh params (+ buffers) out
+    PUSH_PULL = 1  # gradients (+ buffers, hyperparameters) in; fresh params (+ buffers) out. Without data: the
+    #                data is the sender's last PUSH_DATA to that shard
     PULL = 2  # fresh params (+ buffers) out
     IDLE = 3  # the worker leaves the SSP clock set until its next push (epoch end, sync)
     BYE = 4  # the worker (or peer server) is done: the server loop ends after all peers said it
@@ -51,6 +52,8 @@ class Kind:
     GATHER = 13  # ivyplug serve: a collective among the live workers (payload = this worker's bytes in words,
     #              arg0 = their length, arg1 = the collective's number); reply arg0 = the result's length
     GATHER_FETCH = 14  # ivyplug serve: the result of collective arg1 (reply payload, arg0 = its length)
+    PUSH_DATA = 15  # the data of a push (gradients + buffers) ahead of its PUSH_PULL, which then carries no
+    #                 data: sent from backward's gradient hooks (early_push.py); no reply, nothing applied yet
     REPLY = 16
 
 
@@ -69,7 +72,7 @@ class Status:
 
 class Flag:
     STOP = 1
-    BF16 = 2  # PUSH_PULL/PULL request: its payload and its reply's are bf16 pairs in fp32 words (wire_codec.py)
+    BF16 = 2  # PUSH_PULL/PUSH_DATA/PULL: the request's payload and its reply's are bf16 pairs in fp32 words
 
 
 @dataclass

@@ -44,7 +44,9 @@ _WANTS_REPLY = (
     Kind.GATHER,
     Kind.GATHER_FETCH,
 )
-_NEEDS_SHARD = (Kind.PUSH_PULL, Kind.PULL, Kind.NORM, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
+_NEEDS_SHARD = (Kind.PUSH_PULL, Kind.PUSH_DATA, Kind.PULL, Kind.NORM, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
+#: kinds whose fp32 payload is a push's data (received into the sender's reused buffer for that shard)
+_PUSHES = (Kind.PUSH_PULL, Kind.PUSH_DATA)
 #: largest state or description blob a member may announce (a LOAD carries one shard's state)
 MAX_BLOB_BYTES = 1 << 34
 #: largest payloads (fp32 values, fp64 hyperparameters) a member may announce at all
@@ -104,6 +106,8 @@ class ServerLoop(threading.Thread):
         # (sync keeps a copy) before its reply goes out, and a worker sends its next push to a shard only
         # after that reply.
         self._push_bufs: dict[tuple[int, int], torch.Tensor] = {}
+        # (sender, shard) -> the data of a PUSH_DATA (and its flags) that waits for its PUSH_PULL
+        self._held: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
 
     @property
     def shard(self) -> Shard | None:
@@ -165,9 +169,9 @@ class ServerLoop(threading.Thread):
                     header.sender = 1  # the pair's other rank, whatever its header says
                     refusal = self._check_sizes(header)
                 key = (header.sender, header.shard)
-                into = self._push_bufs.get(key) if header.kind == Kind.PUSH_PULL else None
+                into = self._push_bufs.get(key) if header.kind in _PUSHES else None
                 data, hyper = self.channel.recv_request_payload(header, into)
-                if header.kind == Kind.PUSH_PULL and data is not None:
+                if header.kind in _PUSHES and data is not None:
                     self._push_bufs[key] = data
                 if self.traffic is not None:
                     nbytes = 128 + 4 * header.numel + 8 * header.n_hyper
@@ -221,24 +225,27 @@ class ServerLoop(threading.Thread):
         if h.numel < 0 or h.n_hyper < 0 or h.numel > MAX_PAYLOAD or h.n_hyper > MAX_HYPER:
             raise PSProtocolError(f"worker {self.member} announced a payload of {h.numel} + {h.n_hyper} values")
         allowed = (
-            Kind.PUSH_PULL, Kind.PULL, Kind.IDLE, Kind.BYE, Kind.NEXT_BATCH, Kind.STOP, Kind.STATE_SIZE,
-            Kind.STATE_FETCH, Kind.LOAD, Kind.EPOCH, Kind.GATHER, Kind.GATHER_FETCH,
+            Kind.PUSH_PULL, Kind.PUSH_DATA, Kind.PULL, Kind.IDLE, Kind.BYE, Kind.NEXT_BATCH, Kind.STOP,
+            Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.EPOCH, Kind.GATHER, Kind.GATHER_FETCH,
         )  # fmt: skip
         if h.kind not in allowed:
             raise PSProtocolError(f"worker {self.member} sent a message of kind {h.kind}, which members may not send")
-        if h.kind in (Kind.PUSH_PULL, Kind.PULL, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.IDLE):
+        if h.kind in (*_PUSHES, Kind.PULL, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.IDLE):
             target = self.shards.get(h.shard)
             if target is None:
                 return f"worker {self.member} asked for shard {h.shard}; this server has {sorted(self.shards)}"
-            if h.kind == Kind.PUSH_PULL:
-                numel, n_hyper = target.bf16.words if h.flags & Flag.BF16 else target.n_total, target.n_hyper
+            words = target.bf16.words if h.flags & Flag.BF16 else target.n_total
+            if h.kind == Kind.PUSH_PULL:  # the data inline, or ahead in a PUSH_DATA
+                numel, n_hyper = (0 if h.numel == 0 else words), target.n_hyper
+            elif h.kind == Kind.PUSH_DATA:
+                numel = words
         else:
             h.shard = -1  # requests of the service itself: their replies come back on stream 0
         if h.kind in (Kind.LOAD, Kind.GATHER):
             if not 0 <= h.arg0 <= MAX_BLOB_BYTES:
                 return f"worker {self.member} announced {h.arg0} bytes"
             numel = (h.arg0 + 3) // 4
-        if h.kind == Kind.PUSH_PULL and (h.numel, h.n_hyper) != (numel, n_hyper):
+        if h.kind in _PUSHES and (h.numel, h.n_hyper) != (numel, n_hyper):
             return (
                 f"shard {h.shard}: push from worker {self.member} has {h.numel} values, expected {numel} (and "
                 f"{h.n_hyper} hyperparameters, expected {n_hyper})"
@@ -294,10 +301,21 @@ class ServerLoop(threading.Thread):
         w = self.member if self.member is not None else h.sender
         if h.kind in _NEEDS_SHARD:
             shard = self._shard_for(h)
-        if h.kind in (Kind.PUSH_PULL, Kind.PULL):
+        if h.kind == Kind.PUSH_DATA:  # applied with its PUSH_PULL (a later one replaces it)
+            assert data is not None
+            self._held[(h.sender, h.shard)] = (data, h.flags)
+        elif h.kind in (Kind.PUSH_PULL, Kind.PULL):
             if h.kind == Kind.PUSH_PULL:
-                assert data is not None and hyper is not None
-                if h.flags & Flag.BF16:
+                assert hyper is not None
+                held = self._held.pop((h.sender, h.shard), None)
+                flags = h.flags
+                if data is None:  # the data came ahead, in a PUSH_DATA
+                    if held is None:
+                        raise PSProtocolError(
+                            f"shard {h.shard}: a push without data from {self._who(h)}, and no data sent before it"
+                        )
+                    data, flags = held
+                if flags & Flag.BF16:
                     data = shard.bf16.decode(data)
                 fut = shard.push_pull(w, data, hyper)
             else:

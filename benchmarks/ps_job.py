@@ -21,6 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 HIDDEN = 1024
+#: the PS strategies without pushes from backward's gradient hooks (the overlap's control)
+OVERLAP_OFF = {"ivy_ps_sync": "ivy_ps_sync_no_overlap", "ivy_ps": "ivy_ps_no_overlap"}
 
 
 def digits(repeat: int) -> tuple[TensorDataset, TensorDataset]:
@@ -104,9 +106,19 @@ class EpochClock(pl.Callback):
         self.cpu_all_ranks = gathered.reshape(trainer.world_size, -1).sum(0).tolist()
 
 
+def _strategy(name: str) -> Any:
+    """A registered strategy name, or an ``IvyPSStrategy`` with ``overlap_backward=False``."""
+    for on, off in OVERLAP_OFF.items():
+        if name == off:
+            from ivyplug.integrations.lightning import IvyPSStrategy
+
+            return IvyPSStrategy(mode="sync" if on.endswith("sync") else "async", overlap_backward=False)
+    return name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", required=True, choices=["ddp", "ivy_ps_sync", "ivy_ps"])
+    parser.add_argument("--strategy", required=True, choices=["ddp", *OVERLAP_OFF, *OVERLAP_OFF.values()])
     parser.add_argument("--slowdown", type=float, default=1.0)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=16)
@@ -121,7 +133,7 @@ def main() -> None:
     clock = EpochClock()
     model = BenchMLP(args.slowdown, args.lr)
     trainer = pl.Trainer(
-        strategy=args.strategy,
+        strategy=_strategy(args.strategy),
         accelerator="cpu",
         devices=2,
         max_epochs=args.epochs,
@@ -153,6 +165,7 @@ def main() -> None:
         # bytes every worker sent in one epoch: measured by the PS; for DDP the ring all-reduce of 2 ranks
         # sends one full gradient per rank per step (an analytic count, gloo does not report it)
         "bytes_sent_per_epoch": (ps_bytes / args.epochs if args.strategy != "ddp" else 2 * steps_per_rank * params * 4),
+        "shards_sent_early": sum(v for k, v in metrics.items() if k.startswith("ivy/") and k.endswith("sent_early")),
         "bytes_measured": args.strategy != "ddp",
         "ps_pushes": {r: metrics[f"ivy/rank{r}/pushes"] for r in (0, 1) if f"ivy/rank{r}/pushes" in metrics},
     }

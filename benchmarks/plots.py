@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ def ps(results: dict[str, Any], out: Path) -> Path:
     _bars(
         epochs,
         [f"{k:g}× slow worker" for k in slowdowns],
-        {s: [by[(s, k)]["epoch_time"] for k in slowdowns if (s, k) in by] for s in strategies},
+        {s: [by[(s, k)]["epoch_time"] if (s, k) in by else math.nan for k in slowdowns] for s in strategies},
         "epoch time (s, median)",
     )
     epochs.set_title("digits MLP, 2 workers: epoch time per strategy")

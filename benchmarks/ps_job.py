@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 HIDDEN = 1024
-#: the PS strategies without pushes from backward's gradient hooks (the overlap's control)
-OVERLAP_OFF = {"ivy_ps_sync": "ivy_ps_sync_no_overlap", "ivy_ps": "ivy_ps_no_overlap"}
+#: the PS strategies with pushes from backward's gradient hooks (off by default for CPU workers)
+OVERLAP_ON = {"ivy_ps_sync": "ivy_ps_sync_overlap", "ivy_ps": "ivy_ps_overlap"}
 
 
 def digits(repeat: int) -> tuple[TensorDataset, TensorDataset]:
@@ -107,18 +107,18 @@ class EpochClock(pl.Callback):
 
 
 def _strategy(name: str) -> Any:
-    """A registered strategy name, or an ``IvyPSStrategy`` with ``overlap_backward=False``."""
-    for on, off in OVERLAP_OFF.items():
-        if name == off:
+    """A registered strategy name, or an ``IvyPSStrategy`` with ``overlap_backward=True``."""
+    for plain, overlapped in OVERLAP_ON.items():
+        if name == overlapped:
             from ivyplug.integrations.lightning import IvyPSStrategy
 
-            return IvyPSStrategy(mode="sync" if on.endswith("sync") else "async", overlap_backward=False)
+            return IvyPSStrategy(mode="sync" if plain.endswith("sync") else "async", overlap_backward=True)
     return name
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", required=True, choices=["ddp", *OVERLAP_OFF, *OVERLAP_OFF.values()])
+    parser.add_argument("--strategy", required=True, choices=["ddp", *OVERLAP_ON, *OVERLAP_ON.values()])
     parser.add_argument("--slowdown", type=float, default=1.0)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=16)

@@ -1,22 +1,22 @@
 """Recover from an out-of-memory error in a training step by splitting the batch into micro-batches.
 
-Installed on the LightningModule instance (``training_step``, ``optimizer_zero_grad``) and on the
-strategy (``backward``). When the forward pass of ``training_step`` runs out of memory, the batch is
-split into 2, 4, ... micro-batches (up to ``max_parts``): all but the last are run forward and
-backward here (under DDP's ``no_sync``, so one all-reduce still happens per step), each loss scaled
-by its fraction of the batch; the last is returned to Lightning, whose backward completes the
-accumulation. The result is the gradient of the whole batch (for a loss that is a mean over samples;
-``loss_reduction="sum"`` for sums). Lightning zeroes gradients *after* ``training_step``, so a split
-step zeroes them itself first and skips that one call. An OOM in ``backward`` (single-process
-strategies only: under DDP some buckets may already be in flight) redoes the step split the same way.
-Once a batch size needed splitting, the split is kept for the rest of the epoch.
+Installed on the LightningModule instance (``training_step``, ``optimizer_zero_grad``) and on the strategy
+(``backward``). When the forward pass of ``training_step`` runs out of memory, the batch is split into 2, 4,
+... micro-batches (up to ``max_parts``): all but the last are run forward and backward here (under the
+strategy's ``block_backward_sync``: DDP's ``no_sync``, so one all-reduce still happens per step; on the PS, no
+early push), each loss scaled by its fraction of the batch; the last is returned to Lightning, whose backward
+completes the accumulation. The result is the gradient of the whole batch (for a loss that is a mean over
+samples; ``loss_reduction="sum"`` for sums). Lightning zeroes gradients *after* ``training_step``, so a split
+step zeroes them itself first and skips that one call. An OOM in ``backward`` (single-process strategies only:
+under DDP some buckets may already be in flight) redoes the step split the same way. Once a batch size needed
+splitting, the split is kept for the rest of the epoch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,14 +122,10 @@ class OOMRecovery:
         self.on_oom()
         _free_memory()
 
-    @contextlib.contextmanager
-    def _no_sync(self) -> Iterator[None]:
-        model = self.trainer.strategy.model
-        if isinstance(model, DistributedDataParallel):
-            with model.no_sync():
-                yield
-        else:
-            yield
+    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """The strategy's own "this backward is not the step's yet" (DDP's ``no_sync``, the PS's held pushes)."""
+        block = getattr(self.trainer.strategy, "block_backward_sync", None)
+        return block() if block is not None else contextlib.nullcontext()
 
     def _zero_grads(self) -> None:
         optimizer = self.trainer.optimizers[0]

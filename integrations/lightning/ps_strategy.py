@@ -28,7 +28,7 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import lightning
 import torch
@@ -128,10 +128,11 @@ class IvyPSStrategy(DDPStrategy):
         wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: pushes (gradients, AsyncLAMB's deltas with error
             feedback) and pulled parameters cross the wire in bf16, half the bytes; the servers keep fp32
             (also ``IVYPLUG_PS_WIRE_DTYPE`` or ``wire_dtype`` in ``[tool.ivyplug.ps]``).
-        overlap_backward: ``True`` (default): each shard's gradients leave from backward's gradient hooks as
-            soon as backward has produced them all (the transfer overlaps the rest of backward, as DDP's
-            buckets do); the servers apply a push only at the optimizer step, after the whole push was
-            checked. Micro-batches of ``accumulate_grad_batches`` send nothing. ``False``: push at the step.
+        overlap_backward: ``True``: each shard's gradients leave from backward's gradient hooks as soon as
+            backward has produced them all (the transfer overlaps the rest of backward, as DDP's buckets
+            do); the servers apply a push only at the optimizer step, after the whole push was checked.
+            Micro-batches of ``accumulate_grad_batches`` send nothing. ``False``: push at the step.
+            ``"auto"`` (default): on for GPU workers, off for CPU workers (whose cores are busy with backward).
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
         max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)
@@ -160,7 +161,7 @@ class IvyPSStrategy(DDPStrategy):
         servers: str | None = None,
         token: str | None = None,
         wire_dtype: str | None = None,
-        overlap_backward: bool = True,
+        overlap_backward: bool | Literal["auto"] = "auto",
         *,
         process_group_timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",

@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from ivyplug.ps import checkpoint, service_link, topology
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.dispatch import WAIT, check_count, check_epoch
-from ivyplug.ps.early_push import EarlyPush
+from ivyplug.ps.early_push import WASTED_STEPS, EarlyPush
 from ivyplug.ps.endpoints import PendingReply, PSServerError, WireEndpoint, WireStats
 from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.member_group import MemberGroup
@@ -55,6 +56,8 @@ class _Metrics:
     staleness_max: int = 0
     batches: int = 0
     nonfinite_skipped: int = 0
+    shards_sent_early: int = 0  # shards whose data a step took from backward's gradient hooks
+    shards_sent_again: int = 0  # shards sent early whose data changed before the step
     wire: WireStats = field(default_factory=WireStats)
 
 
@@ -96,6 +99,7 @@ class PSClient:
         self.combined_grad_sq_norm: float | None = None
         #: backward's gradient hooks that send each shard's data early (PSConfig.overlap_backward), else None
         self.early: EarlyPush | None = None
+        self._scales_pushes = False  # async/ssp clipping rescales every push at the step: nothing to send early
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -176,7 +180,10 @@ class PSClient:
             # from here on the workers meet through the service: a worker that dies leaves, never hangs them
             self._launch_group = self.workers
             self.workers = MemberGroup(self.topo.link, rank, world_size, cfg.timeout, self.m.wire)
-        if cfg.overlap_backward:
+        overlap = cfg.overlap_backward
+        if overlap == "auto":  # see PSConfig: worth it where backward leaves the host's threads free
+            overlap = any(p.device.type != "cpu" for _, p in named_params)
+        if overlap:
             self.early = EarlyPush(self.layout, self._send_early)
         return self
 
@@ -276,8 +283,7 @@ class PSClient:
             pending = [(s, ep.pull(self.rank)) for s, ep in self.topo.endpoints.items()]
             self._collect(pending)
         self.m.pulls += 1
-        if self.early is not None:
-            self.early.arm()
+        self._arm_early()
 
     def step(self, num_samples: int, max_grad_norm: float | None = None, *, delta: bool = False) -> None:
         """Push this worker's gradients (+ buffers, hyperparameters), wait as the mode says, pull.
@@ -308,6 +314,8 @@ class PSClient:
         early: set[int] = set()
         if self.early is not None:
             early = self.early.take(valid=clip == 1.0)
+            self.m.shards_sent_early += len(early)
+            self.m.shards_sent_again += len(self.early.stale)
             if self.early.stale:  # sent early, changed since: its send must be done before it is packed again
                 self._flush_sends()
         packed = {s: self.layout.packed(s) if s in early else self.layout.pack(s, clip) for s in self.topo.endpoints}
@@ -331,8 +339,26 @@ class PSClient:
             tau_max = max(staleness)
             self.m.staleness_sum += tau_max
             self.m.staleness_max = max(self.m.staleness_max, tau_max)
-        if self.early is not None:
-            self.early.arm()
+        self._scales_pushes = max_grad_norm is not None and self.cfg.mode != "sync"
+        self._arm_early()
+
+    def _arm_early(self) -> None:
+        """Let the next backward send early, unless that would only repeat what the step sends anyway."""
+        if self.early is None or self._scales_pushes:
+            return
+        if self.early.wasted:
+            warnings.warn(
+                f"ivyplug PS (rank {self.rank}): overlap_backward is off from now on: in the last "
+                f"{WASTED_STEPS} steps every shard sent from backward's gradient hooks had changed before the "
+                "step (gradients edited after backward: in-place clipping, a replaced .grad or a second backward "
+                "outside PSClient.hold_pushes()), so each was sent twice. Pass overlap_backward=False to push "
+                "at the step without this warning.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.stop_early_pushes()
+            return
+        self.early.arm()
 
     def _check_push(self, packed: dict[int, torch.Tensor]) -> int:
         """Push flags after checking the whole push (every shard's part) for NaN/Inf, before any is sent.
@@ -512,8 +538,8 @@ class PSClient:
             "wait_seconds": m.wire.wait_seconds,
             "batches": float(m.batches),
             "nonfinite_skipped": float(m.nonfinite_skipped),
-            "shards_sent_early": float(self.early.sent_early if self.early is not None else 0),
-            "shards_sent_again": float(self.early.sent_again if self.early is not None else 0),
+            "shards_sent_early": float(m.shards_sent_early),
+            "shards_sent_again": float(m.shards_sent_again),
         }
 
     @property

@@ -34,9 +34,12 @@ class PSConfig:
     of ``"float32"`` (default); the servers keep fp32 masters and integer buffers travel exactly. A local-update
     delta carries its rounding error into the next delta (error feedback, delta_exchange.py). A finite fp32
     value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
-    ``overlap_backward=True`` (default) sends each shard's gradients from backward's gradient hooks as soon as
-    backward has produced them all, so the transfer overlaps the rest of backward (early_push.py); the
-    shards apply a push only at the step, after the whole push was checked. ``False``: everything at the step.
+    ``overlap_backward=True`` sends each shard's gradients from backward's gradient hooks as soon as backward
+    has produced them all, so the transfer overlaps the rest of backward (early_push.py); the shards apply a
+    push only at the step, after the whole push was checked. ``False``: everything at the step. ``"auto"``
+    (default): on when the parameters are on an accelerator (backward runs there and leaves the host's
+    threads free to send), off on CPU (with the cores busy computing backward the sends only compete with
+    it: no gain measured on a 2-core machine; set True on a many-core host).
     """
 
     mode: str = "async"
@@ -49,7 +52,7 @@ class PSConfig:
     servers: str | None = None
     token: str | None = field(default=None, repr=False)
     wire_dtype: str = "float32"
-    overlap_backward: bool = True
+    overlap_backward: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,8 +95,8 @@ class PSConfig:
                 f"PSConfig.max_shard_bytes must be 'auto', None or an int > 0, got {self.max_shard_bytes!r}"
             )
 
-        if not isinstance(self.overlap_backward, bool):
-            raise ValueError(f"PSConfig.overlap_backward must be True or False, got {self.overlap_backward!r}")
+        if not isinstance(self.overlap_backward, bool) and self.overlap_backward != "auto":
+            raise ValueError(f"PSConfig.overlap_backward must be True, False or 'auto', got {self.overlap_backward!r}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"PSConfig.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         if self.servers is not None:

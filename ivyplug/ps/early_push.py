@@ -29,6 +29,9 @@ import torch
 
 from ivyplug.ps.layout import FlatLayout
 
+#: consecutive steps in which every shard sent early changed before the step, after which the client stops
+WASTED_STEPS = 2
+
 #: what a fingerprint remembers of one tensor: the object (or None for a missing gradient) and its version
 _Print = list[tuple[torch.Tensor | None, int]]
 
@@ -68,8 +71,7 @@ class EarlyPush:
         self._fired: set[int] = set()
         self._sent: dict[int, _Print] = {}
         self.stale: set[int] = set()  # after take(): shards sent early whose data changed since
-        self.sent_early = 0  # shards whose early data a step used (metrics, benchmarks)
-        self.sent_again = 0  # shards a step had to send again (their data changed after backward)
+        self._wasted = 0  # consecutive steps whose every early send had to be repeated
 
     # -- the hooks --------------------------------------------------------------------------------
     def arm(self) -> None:
@@ -121,10 +123,16 @@ class EarlyPush:
         self._armed = False
         usable = {s for s, fp in self._sent.items() if valid and self._unchanged(s, fp)}
         self.stale = set(self._sent) - usable
-        self.sent_early += len(usable)
-        self.sent_again += len(self.stale)
+        if valid:
+            self._wasted = self._wasted + 1 if self._sent and not usable else 0
         self._sent.clear()
         return usable
+
+    @property
+    def wasted(self) -> bool:
+        """Every early send of the last :data:`WASTED_STEPS` steps had to be repeated (the gradients are always
+        changed after backward): the overlap only doubles the traffic."""
+        return self._wasted >= WASTED_STEPS
 
     def _current(self, index: int, kind: str) -> torch.Tensor | None:
         t = self.layout.tensor(index)

@@ -22,7 +22,7 @@ def test_one_real_sync_job_reports_epoch_cpu_and_pushes() -> None:
 def test_summary_and_table_on_canned_results(monkeypatch: pytest.MonkeyPatch) -> None:
     wall = {("ddp", 1.0): 3.0, ("ivy_ps_sync", 1.0): 3.3, ("ivy_ps", 1.0): 3.1}
     wall |= {("ddp", 3.0): 6.0, ("ivy_ps_sync", 3.0): 6.2, ("ivy_ps", 3.0): 3.6}
-    wall |= {("ivy_ps_sync_no_overlap", 1.0): 3.6, ("ivy_ps_no_overlap", 1.0): 3.4}
+    wall |= {("ivy_ps_sync_overlap", 1.0): 3.6, ("ivy_ps_overlap", 1.0): 3.4}
 
     def fake_job(strategy: str, slowdown: float, epochs: int, repeat: int, timeout: float) -> dict[str, Any]:
         t = wall[(strategy, slowdown)]
@@ -52,11 +52,11 @@ def test_summary_and_table_on_canned_results(monkeypatch: pytest.MonkeyPatch) ->
     assert results["runs"][0]["rounds"] == ps.ROUNDS
     s = results["summary"]
     assert s["throughput_vs_ddp"]["ivy_ps_sync"] == pytest.approx(3.0 / 3.3)
-    assert s["throughput_vs_ddp"]["ivy_ps_sync_no_overlap"] == pytest.approx(3.0 / 3.6)
+    assert s["throughput_vs_ddp"]["ivy_ps_sync_overlap"] == pytest.approx(3.0 / 3.6)
     assert s["cpu_vs_ddp"]["ivy_ps"] == pytest.approx(3.1 / 3.0)
     assert s["slow_epoch_ratio_vs_ddp"]["ivy_ps"] == pytest.approx(0.6)
     table = ps.format_table(results)
     assert "ivy_ps: throughput 0.97x DDP (target >= 1.05)" in table
-    assert "ivy_ps_sync_no_overlap (control: pushes at the step): throughput 0.83x DDP" in table
+    assert "ivy_ps_sync_overlap (pushes from backward's hooks): throughput 0.83x DDP" in table
     assert "ivy_ps: throughput 0.97x DDP" in table and "slow-worker epoch 0.60x DDP's (target <= 0.65)" in table
     assert "PS push+pull 0.75 GB/s (0.50x gloo)" in table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -71,37 +72,52 @@ def fit(
     """``turns``: the workers step one after the other (async/ssp pushes land in a fixed order)."""
     model = mlp(seed=rank + 3)
     client = start(model, make_opt(opt, model.parameters()), overlap_backward=overlap, timeout=60.0, **cfg)
-    try:
-        for step in range(STEPS):
-            model.zero_grad()
-            between(model, client, rank, step)
-            for r in range(len(SIZES) if turns else 0):
-                if r == rank:
-                    client.step(SIZES[rank], max_grad_norm=max_grad_norm)
-                dist.barrier()
-            if not turns:
+    if turns:  # every worker's initial pull before the first push (else it may or may not see that push)
+        dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = _steps(model, client, rank, between, turns, max_grad_norm)
+        finally:
+            client.close()
+    out["warnings"] = [str(w.message) for w in caught if "overlap_backward" in str(w.message)]
+    return out
+
+
+def _steps(
+    model: torch.nn.Module, client: PSClient, rank: int, between: Between, turns: bool, max_grad_norm: float | None
+) -> dict[str, Any]:
+    for step in range(STEPS):
+        model.zero_grad()
+        between(model, client, rank, step)
+        for r in range(len(SIZES) if turns else 0):
+            if r == rank:
                 client.step(SIZES[rank], max_grad_norm=max_grad_norm)
-        client.sync()
-        out = {"params": [p.detach().clone() for p in model.parameters()], **client.metrics()}
-        out["shards"] = client.plan.num_shards
-        return out
-    finally:
-        client.close()
+            dist.barrier()
+        if not turns:
+            client.step(SIZES[rank], max_grad_norm=max_grad_norm)
+    client.sync()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "shards": client.plan.num_shards,
+        **client.metrics(),
+    }
 
 
 def session(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cases: dict[str, tuple[Between, dict[str, Any]]] = {
         "sync": (_backward, {"mode": "sync"}),
-        "edited": (_edit_after_backward, {"mode": "sync"}),
-        "replaced": (_replace_after_backward, {"mode": "sync"}),
+        # whole tensors: the edited one lives in one shard, the other shard's early send stays good
+        "edited": (_edit_after_backward, {"mode": "sync", "max_shard_bytes": None}),
+        "replaced": (_replace_after_backward, {"mode": "sync", "max_shard_bytes": None}),
         "accumulated": (_accumulate, {"mode": "sync"}),
         "accumulated_unheld": (lambda m, c, r, s: _accumulate(m, c, r, s, hold=False), {"mode": "sync"}),
         "nan": (_nan_in_first_layer, {"mode": "sync"}),
         "bf16": (_backward, {"mode": "sync", "wire_dtype": "bfloat16"}),
         "dedicated": (_backward, {"mode": "sync", "num_servers": 1}),
         "async": (_backward, {"mode": "async", "turns": True}),
-        "ssp": (_edit_after_backward, {"mode": "ssp", "staleness": 1, "turns": True}),
+        "ssp": (_edit_after_backward, {"mode": "ssp", "staleness": 1, "turns": True, "max_shard_bytes": None}),
         "async_clipped": (_backward, {"mode": "async", "turns": True, "max_grad_norm": 0.1}),
     }
     for name, (between, cfg) in cases.items():

@@ -22,6 +22,8 @@ from ivyplug.ps import PSConfig
         ({"timeout": True}, "PSConfig.timeout"),
         ({"num_servers": -1}, "PSConfig.num_servers"),
         ({"max_shard_bytes": 0}, "PSConfig.max_shard_bytes"),
+        ({"overlap_backward": "yes"}, "PSConfig.overlap_backward"),
+        ({"overlap_backward": 1}, "PSConfig.overlap_backward"),
     ],
 )
 def test_bad_config_names_the_field(kwargs: dict, field: str) -> None:

@@ -6,7 +6,8 @@ the servers), while the counters show the mechanism at work: shards sent from th
 (``shards_sent_again``). The cases: plain sync; a gradient edited in place or replaced after backward;
 gradient accumulation with and without ``hold_pushes``; a NaN that backward itself produces in the last
 shard to complete (the early-sent shards must be dropped too); the bf16 wire; a dedicated server; async
-and ssp in a fixed push order; async clipping (which scales every gradient at the step).
+and ssp in a fixed push order; async clipping (which scales every gradient at the step). Overlap that only
+repeats itself (every early send changed before its step, twice in a row) is switched off with one warning.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from ivyplug.ps.early_push import WASTED_STEPS
 from tests.ps import early_push_scenarios
 from tests.ps.harness import run_workers
 
@@ -63,11 +65,19 @@ def test_data_changed_after_backward_is_sent_again(runs: list[dict[str, Any]]) -
         # the edit matters (so equal results above are not the edit being lost on both sides)
         edited, plain = runs[rank]["edited"][True]["params"], runs[rank]["sync"][True]["params"]
         assert any(not torch.equal(a, b) for a, b in zip(edited, plain, strict=True))
-        # a second backward without hold_pushes changes every early-sent shard; with it nothing is resent
+        # a second backward without hold_pushes changes every early-sent shard: after WASTED_STEPS such steps
+        # the client warns once, naming why, and pushes at the step from then on
         unheld = runs[rank]["accumulated_unheld"][True]
-        assert unheld["shards_sent_again"] == early_push_scenarios.STEPS * unheld["shards"], unheld
-        clipped = runs[rank]["async_clipped"][True]  # async clipping scales what the step pushes
-        assert clipped["shards_sent_early"] == 0 and clipped["shards_sent_again"] > 0, clipped
+        assert unheld["shards_sent_again"] == WASTED_STEPS * unheld["shards"], unheld
+        assert unheld["shards_sent_early"] == 0
+        assert len(unheld["warnings"]) == 1 and "hold_pushes" in unheld["warnings"][0], unheld["warnings"]
+        # an edit of one shard's gradient wastes that shard's early send only: the overlap stays on
+        assert runs[rank]["edited"][True]["warnings"] == []
+        assert runs[rank]["edited"][True]["shards_sent_early"] > 0
+        # async clipping rescales every push at the step: sent early once (the first step), then not armed
+        clipped = runs[rank]["async_clipped"][True]
+        assert clipped["shards_sent_early"] == 0 and clipped["shards_sent_again"] == clipped["shards"], clipped
+        assert clipped["warnings"] == []
 
 
 def test_a_nan_from_backward_drops_the_shards_already_sent(runs: list[dict[str, Any]]) -> None:
@@ -75,3 +85,21 @@ def test_a_nan_from_backward_drops_the_shards_already_sent(runs: list[dict[str, 
     assert runs[0]["nan"][True]["nonfinite_skipped"] == 0
     # the NaN shard completed last: the others had gone early, with finite data, and were dropped too
     assert runs[1]["nan"][True]["shards_sent_early"] == early_push_scenarios.STEPS * runs[1]["nan"][True]["shards"]
+
+
+@pytest.mark.parametrize(("overlap", "hooked"), [("auto", False), (True, True), (False, False)])
+def test_auto_leaves_cpu_workers_without_hooks(overlap: bool | str, hooked: bool) -> None:
+    """``"auto"``: hooks only for parameters on an accelerator (CPU cores are busy with backward)."""
+    from ivyplug.ps import PSClient, PSConfig
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    client = PSClient.start(PSConfig(mode="sync", overlap_backward=overlap), list(model.named_parameters()), [], opt)
+    try:
+        client.pull_initial()
+        assert (client.early is not None) is hooked
+        model(torch.ones(3, 4)).sum().backward()
+        client.step(3)
+        assert client.metrics()["shards_sent_early"] == (1.0 if hooked else 0.0)
+    finally:
+        client.close()

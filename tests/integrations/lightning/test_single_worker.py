@@ -41,7 +41,11 @@ def test_async_one_worker_equals_single_process_exactly(num_servers: int) -> Non
     assert trainer.global_step == 32
 
 
-def test_accumulate_grad_batches_and_clipping_one_worker_equal_single_process() -> None:
+@pytest.mark.parametrize(("mode", "overlap"), [("async", "auto"), ("sync", True)])
+def test_accumulate_grad_batches_and_clipping_one_worker_equal_single_process(mode: str, overlap: bool | str) -> None:
+    """With ``overlap_backward=True`` (sync: the servers clip, so the pushed gradients are backward's own) the
+    first micro-batch's backward sends nothing (Lightning's ``block_backward_sync``), the second sends every
+    shard, and the step uses what it sent."""
     seed_everything(2)
     model = DigitsMLP(hidden=32, lr=0.05, train_size=512, batch_size=32)
     x, y, _, _ = digits_tensors()
@@ -58,7 +62,7 @@ def test_accumulate_grad_batches_and_clipping_one_worker_equal_single_process() 
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         opt.step()
     trainer = quiet_trainer(
-        IvyPSStrategy(mode="async"),
+        IvyPSStrategy(mode=mode, overlap_backward=overlap),
         devices=1,
         max_epochs=1,
         limit_val_batches=0,
@@ -68,7 +72,10 @@ def test_accumulate_grad_batches_and_clipping_one_worker_equal_single_process() 
     trainer.fit(model)
     assert trainer.global_step == 8
     assert max_abs_diff(params_of(model), params_of(ref)) == 0.0  # clipped once, by the PS, like torch does
-    assert float(trainer.callback_metrics["ivy/rank0/pushes"]) == 8.0
+    metrics = trainer.callback_metrics
+    assert float(metrics["ivy/rank0/pushes"]) == 8.0
+    assert float(metrics["ivy/rank0/shards_sent_early"]) == (8.0 if overlap is True else 0.0)
+    assert float(metrics["ivy/rank0/shards_sent_again"]) == 0.0
 
 
 def test_bf16_fit_then_validate_test_predict_and_weights_only_refusal(tmp_path: Path) -> None:

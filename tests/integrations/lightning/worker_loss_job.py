@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,15 @@ class DieMidEpoch(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank == 1 and trainer.current_epoch == 0 and batch_idx == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SlowRank0InEpoch0(pl.Callback):
+    """Rank 0 is slow in epoch 0, so that the dispatch queue surely hands rank 1 the batches it dies at (a fast
+    rank 0 on a loaded machine took all but 8 of the epoch's 45 once, and rank 1 lived)."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == 0 and trainer.current_epoch == 0:
+            time.sleep(0.05)
 
 
 class TrainedBatches(pl.Callback):
@@ -70,7 +80,7 @@ def main() -> None:
         devices=2,
         strategy=strategy,
         max_epochs=2,
-        callbacks=[DieMidEpoch(), StartAccuracy(), TrainedBatches(out), checkpoint],
+        callbacks=[DieMidEpoch(), SlowRank0InEpoch0(), StartAccuracy(), TrainedBatches(out), checkpoint],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

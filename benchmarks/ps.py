@@ -8,7 +8,7 @@ worker on the training set repeated 16x. Epoch time is the median over the epoch
 up to validation, which includes the wait for the slowest worker). Reported: epoch time, samples/s, validation
 accuracy, bytes each configuration moves per epoch. Targets: without a slow worker sync reaches >= 1.0x DDP's
 throughput and async >= 1.05x (the same two with pushes from backward's gradient hooks,
-``overlap_backward=True``, which CPU workers leave off by default, run alongside); with the slow worker
+``overlap_backward=True``, off by default, run alongside); with the slow worker
 async's epoch time is <= 0.65x DDP's (0.5x is the overhead-free limit) at validation accuracy within 1 point
 of DDP's.
 
@@ -34,7 +34,7 @@ DESCRIPTION = "PS vs DDP (sync, async; with a 3x slower worker) and PS push/pull
 
 SLOWDOWN = 3.0
 STRATEGIES = ("ddp", "ivy_ps_sync", "ivy_ps")
-#: run without a slow worker only: the PS strategies with ``overlap_backward=True`` (CPU workers' default: off)
+#: run without a slow worker only: the PS strategies with ``overlap_backward=True`` (the default: off)
 OVERLAPPED = ("ivy_ps_sync_overlap", "ivy_ps_overlap")
 SIZES_MB = (4, 64)
 TARGET_THROUGHPUT = {"ivy_ps_sync": 1.0, "ivy_ps": 1.05}

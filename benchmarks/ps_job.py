@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 HIDDEN = 1024
-#: the PS strategies with pushes from backward's gradient hooks (off by default for CPU workers)
+#: the PS strategies with pushes from backward's gradient hooks (off by default)
 OVERLAP_ON = {"ivy_ps_sync": "ivy_ps_sync_overlap", "ivy_ps": "ivy_ps_overlap"}
 
 

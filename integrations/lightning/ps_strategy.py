@@ -28,7 +28,7 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning
 import torch
@@ -131,8 +131,9 @@ class IvyPSStrategy(DDPStrategy):
         overlap_backward: ``True``: each shard's gradients leave from backward's gradient hooks as soon as
             backward has produced them all (the transfer overlaps the rest of backward, as DDP's buckets
             do); the servers apply a push only at the optimizer step, after the whole push was checked.
-            Micro-batches of ``accumulate_grad_batches`` send nothing. ``False``: push at the step.
-            ``"auto"`` (default): on for GPU workers, off for CPU workers (whose cores are busy with backward).
+            Micro-batches of ``accumulate_grad_batches`` send nothing; a gradient changed after backward is
+            sent again, but in-place edits of ``.grad.data`` are not seen. ``False`` (default): push at the
+            step (the overlap measured slower with CPU workers, and is unmeasured on GPUs).
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
         max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)
@@ -161,7 +162,7 @@ class IvyPSStrategy(DDPStrategy):
         servers: str | None = None,
         token: str | None = None,
         wire_dtype: str | None = None,
-        overlap_backward: bool | Literal["auto"] = "auto",
+        overlap_backward: bool = False,
         *,
         process_group_timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",

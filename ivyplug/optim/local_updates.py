@@ -182,7 +182,6 @@ class LocalUpdates(torch.optim.Optimizer):
 
     def attach(self, client: PSClient) -> None:
         """Exchange through ``client`` from now on; call after ``client.pull_initial()`` (or any pull)."""
-        client.stop_early_pushes()  # local steps' backwards are not pushes: the exchange sends deltas
         self.delta.attach(client)
         self.local_steps = 0
 

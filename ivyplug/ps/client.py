@@ -180,10 +180,7 @@ class PSClient:
             # from here on the workers meet through the service: a worker that dies leaves, never hangs them
             self._launch_group = self.workers
             self.workers = MemberGroup(self.topo.link, rank, world_size, cfg.timeout, self.m.wire)
-        overlap = cfg.overlap_backward
-        if overlap == "auto":  # see PSConfig: worth it where backward leaves the host's threads free
-            overlap = any(p.device.type != "cpu" for _, p in named_params)
-        if overlap:
+        if cfg.overlap_backward:
             self.early = EarlyPush(self.layout, self._send_early)
         return self
 

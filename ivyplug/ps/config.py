@@ -36,10 +36,11 @@ class PSConfig:
     value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
     ``overlap_backward=True`` sends each shard's gradients from backward's gradient hooks as soon as backward
     has produced them all, so the transfer overlaps the rest of backward (early_push.py); the shards apply a
-    push only at the step, after the whole push was checked. ``False``: everything at the step. ``"auto"``
-    (default): on when the parameters are on an accelerator (backward runs there and leaves the host's
-    threads free to send), off on CPU (with the cores busy computing backward the sends only compete with
-    it: no gain measured on a 2-core machine; set True on a many-core host).
+    push only at the step, after the whole push was checked, and data changed after backward is sent again;
+    writes that bypass autograd's version counter (in-place ops on ``.grad.data``, kernels writing the tensor's
+    memory directly) are not seen. ``False`` (default): everything at the step. Opt-in because it has not paid
+    where it was measured (two CPU workers on two cores: the step 7-10% slower) and the accelerator path is
+    unmeasured.
     """
 
     mode: str = "async"
@@ -52,7 +53,7 @@ class PSConfig:
     servers: str | None = None
     token: str | None = field(default=None, repr=False)
     wire_dtype: str = "float32"
-    overlap_backward: bool | str = "auto"
+    overlap_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,8 +96,8 @@ class PSConfig:
                 f"PSConfig.max_shard_bytes must be 'auto', None or an int > 0, got {self.max_shard_bytes!r}"
             )
 
-        if not isinstance(self.overlap_backward, bool) and self.overlap_backward != "auto":
-            raise ValueError(f"PSConfig.overlap_backward must be True, False or 'auto', got {self.overlap_backward!r}")
+        if not isinstance(self.overlap_backward, bool):
+            raise ValueError(f"PSConfig.overlap_backward must be True or False, got {self.overlap_backward!r}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"PSConfig.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         if self.servers is not None:

@@ -235,6 +235,7 @@ class DeltaExchange:
         """Exchange through ``client``; the current values are the pulled global copy."""
         if self.outer is None or client.optimizer is not self.outer:
             raise ValueError("attach() needs a PSClient started with optimizer=outer_optimizer(mode, num_workers)")
+        client.stop_early_pushes()  # local steps' backwards are not pushes: the exchange sends deltas
         self.client = client
         self.reset_snapshot()
 

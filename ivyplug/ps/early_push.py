@@ -9,10 +9,12 @@ NaN/Inf before any shard applies any of it, and the has-gradient mask (unused pa
 and sync clipping travel with the commit.
 
 What was sent early counts only if nothing changed it since: each sent tensor (a gradient or a buffer) is
-fingerprinted by identity and in-place version (``Tensor._version``, which every in-place op bumps). A step
-that finds a changed fingerprint (clipping, unscaling, a second backward, a hook that edits ``.grad``) packs
-that shard again and sends it with its commit. A shard one of whose gradients never comes (an unused or a
-frozen parameter) is packed and sent at the step, as without overlap; so is one whose early send failed
+fingerprinted by identity, in-place version (``Tensor._version``, which every in-place op autograd sees
+bumps) and data pointer. A step that finds a changed fingerprint (clipping, unscaling, a second backward, a
+hook that edits or replaces ``.grad``) packs that shard again and sends it with its commit. Not seen: writes
+that bypass the version counter (in-place ops on ``.grad.data``, kernels writing a tensor's memory directly).
+A shard one of whose gradients never comes (a parameter unused in this step, or frozen since the last one)
+is packed and sent at the step, as without overlap; so is one whose early send failed
 (the step's own send then fails with the error, where an error of the PS is expected).
 """
 
@@ -32,8 +34,9 @@ from ivyplug.ps.layout import FlatLayout
 #: consecutive steps in which every shard sent early changed before the step, after which the client stops
 WASTED_STEPS = 2
 
-#: what a fingerprint remembers of one tensor: the object (or None for a missing gradient) and its version
-_Print = list[tuple[torch.Tensor | None, int]]
+#: what a fingerprint remembers of one tensor: the object (or None for a missing gradient), its version and
+#: where its data lives (``.data = x`` swaps the storage without a version bump)
+_Print = list[tuple[torch.Tensor | None, int, int]]
 
 
 class EarlyPush:
@@ -61,10 +64,7 @@ class EarlyPush:
             for i in self._params_in[-1]:
                 self._shards_of[i].append(s)
         self._handles: list[Any] = []
-        for i, (_, p) in enumerate(layout.params):
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(partial(self._ready, i)))
-        self._hooked = {i for i, (_, p) in enumerate(layout.params) if p.requires_grad}
+        self._hooked: set[int] = set()
         self._armed = False
         self._holding = 0
         self._remaining: dict[int, int] = {}
@@ -79,6 +79,10 @@ class EarlyPush:
         self._sent.clear()
         self._fired.clear()
         params = self.layout.params
+        for i, (_, p) in enumerate(params):  # also a parameter unfrozen since the last step (fine-tuning)
+            if p.requires_grad and i not in self._hooked:
+                self._handles.append(p.register_post_accumulate_grad_hook(partial(self._ready, i)))
+                self._hooked.add(i)
         self._remaining = {
             s: sum(1 for i in held if i in self._hooked and params[i][1].requires_grad)
             for s, held in enumerate(self._params_in)
@@ -142,13 +146,13 @@ class EarlyPush:
         out: _Print = []
         for index, kind in self._tensors_in[s]:
             t = self._current(index, kind)
-            out.append((t, t._version if t is not None else 0))
+            out.append((t, t._version, t.data_ptr()) if t is not None else (None, 0, 0))
         return out
 
     def _unchanged(self, s: int, fp: _Print) -> bool:
-        for (index, kind), (was, version) in zip(self._tensors_in[s], fp, strict=True):
+        for (index, kind), (was, version, ptr) in zip(self._tensors_in[s], fp, strict=True):
             now = self._current(index, kind)
-            if now is not was or (now is not None and now._version != version):
+            if now is not was or (now is not None and (now._version != version or now.data_ptr() != ptr)):
                 return False
         return True
 

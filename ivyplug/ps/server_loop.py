@@ -171,7 +171,8 @@ class ServerLoop(threading.Thread):
                 key = (header.sender, header.shard)
                 into = self._push_bufs.get(key) if header.kind in _PUSHES else None
                 data, hyper = self.channel.recv_request_payload(header, into)
-                if header.kind in _PUSHES and data is not None:
+                # kept for reuse only for a push the loop will take (a refused one may name any shard or size)
+                if header.kind in _PUSHES and data is not None and refusal is None and header.shard in self.shards:
                     self._push_bufs[key] = data
                 if self.traffic is not None:
                     nbytes = 128 + 4 * header.numel + 8 * header.n_hyper

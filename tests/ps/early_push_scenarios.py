@@ -42,6 +42,20 @@ def _replace_after_backward(model: torch.nn.Module, client: PSClient, rank: int,
     model[-1].bias.grad = model[-1].bias.grad * -2.0
 
 
+def _replace_data_after_backward(model: torch.nn.Module, client: PSClient, rank: int, step: int) -> None:
+    """New storage under the same ``.grad`` (``.data = ...``: no version bump)."""
+    _loss(model, rank, step).backward()
+    grad = model[-1].bias.grad
+    grad.data = grad.data * -2.0
+
+
+def _unfreeze_at_step_1(model: torch.nn.Module, client: PSClient, rank: int, step: int) -> None:
+    """The first layer, frozen before the client started, trains from step 1 on (fine-tuning)."""
+    if step == 1:
+        model[0].requires_grad_(True)
+    _loss(model, rank, step).backward()
+
+
 def _accumulate(model: torch.nn.Module, client: PSClient, rank: int, step: int, hold: bool = True) -> None:
     """Two micro-batches per step; the first one's backward inside ``hold_pushes`` (when ``hold``)."""
     with client.hold_pushes() if hold else contextlib.nullcontext():
@@ -67,10 +81,14 @@ def fit(
     opt: str = "adamw",
     turns: bool = False,
     max_grad_norm: float | None = None,
+    frozen_first: bool = False,
     **cfg: Any,
 ) -> dict[str, Any]:
-    """``turns``: the workers step one after the other (async/ssp pushes land in a fixed order)."""
+    """``turns``: the workers step one after the other (async/ssp pushes land in a fixed order);
+    ``frozen_first``: the first layer does not require gradients when the client starts."""
     model = mlp(seed=rank + 3)
+    if frozen_first:
+        model[0].requires_grad_(False)
     client = start(model, make_opt(opt, model.parameters()), overlap_backward=overlap, timeout=60.0, **cfg)
     if turns:  # every worker's initial pull before the first push (else it may or may not see that push)
         dist.barrier()
@@ -111,6 +129,8 @@ def session(rank: int, world: int) -> dict[str, Any]:
         # whole tensors: the edited one lives in one shard, the other shard's early send stays good
         "edited": (_edit_after_backward, {"mode": "sync", "max_shard_bytes": None}),
         "replaced": (_replace_after_backward, {"mode": "sync", "max_shard_bytes": None}),
+        "data_replaced": (_replace_data_after_backward, {"mode": "sync", "max_shard_bytes": None}),
+        "unfrozen": (_unfreeze_at_step_1, {"mode": "sync", "frozen_first": True}),
         "accumulated": (_accumulate, {"mode": "sync"}),
         "accumulated_unheld": (lambda m, c, r, s: _accumulate(m, c, r, s, hold=False), {"mode": "sync"}),
         "nan": (_nan_in_first_layer, {"mode": "sync"}),

@@ -29,7 +29,19 @@ def runs() -> list[dict[str, Any]]:
     return run_workers(early_push_scenarios.session, 2, timeout=280)
 
 
-CASES = ["sync", "edited", "replaced", "accumulated", "accumulated_unheld", "nan", "bf16", "dedicated", "async"]
+CASES = [
+    "sync",
+    "edited",
+    "replaced",
+    "data_replaced",
+    "unfrozen",
+    "accumulated",
+    "accumulated_unheld",
+    "nan",
+    "bf16",
+    "dedicated",
+    "async",
+]
 CASES += ["ssp", "async_clipped"]
 
 
@@ -59,7 +71,7 @@ def test_overlap_sends_every_shard_from_backward_when_nothing_changes(runs: list
 
 def test_data_changed_after_backward_is_sent_again(runs: list[dict[str, Any]]) -> None:
     for rank in (0, 1):
-        for case in ("edited", "replaced", "ssp"):
+        for case in ("edited", "replaced", "data_replaced", "ssp"):
             on = runs[rank][case][True]
             assert on["shards_sent_again"] >= early_push_scenarios.STEPS, (case, on)  # the edited layer's shard
         # the edit matters (so equal results above are not the edit being lost on both sides)
@@ -80,6 +92,21 @@ def test_data_changed_after_backward_is_sent_again(runs: list[dict[str, Any]]) -
         assert clipped["warnings"] == []
 
 
+def test_a_parameter_unfrozen_later_gets_its_hook(runs: list[dict[str, Any]]) -> None:
+    """Frozen when the client started, unfrozen at step 1 after that step's arm: that step's shards went out
+    without its gradient and are sent again; from the next arm it is hooked, and every shard goes early again
+    (no warning: one wasted step is not two)."""
+    steps = early_push_scenarios.STEPS
+    for rank in (0, 1):
+        on = runs[rank]["unfrozen"][True]
+        again = on["shards_sent_again"]
+        assert 1 <= again <= on["shards"], on  # step 1 only: the shards holding the unfrozen layer
+        assert on["shards_sent_early"] == steps * on["shards"] - again, on
+        assert on["warnings"] == [], on["warnings"]
+        frozen = runs[rank]["sync"][True]["params"][0]  # the control: the first layer did train
+        assert not torch.equal(on["params"][0], frozen)
+
+
 def test_a_nan_from_backward_drops_the_shards_already_sent(runs: list[dict[str, Any]]) -> None:
     assert runs[1]["nan"][True]["nonfinite_skipped"] == 1
     assert runs[0]["nan"][True]["nonfinite_skipped"] == 0
@@ -87,14 +114,15 @@ def test_a_nan_from_backward_drops_the_shards_already_sent(runs: list[dict[str, 
     assert runs[1]["nan"][True]["shards_sent_early"] == early_push_scenarios.STEPS * runs[1]["nan"][True]["shards"]
 
 
-@pytest.mark.parametrize(("overlap", "hooked"), [("auto", False), (True, True), (False, False)])
-def test_auto_leaves_cpu_workers_without_hooks(overlap: bool | str, hooked: bool) -> None:
-    """``"auto"``: hooks only for parameters on an accelerator (CPU cores are busy with backward)."""
+@pytest.mark.parametrize(("overlap", "hooked"), [(None, False), (True, True), (False, False)])
+def test_overlap_is_opt_in(overlap: bool | None, hooked: bool) -> None:
+    """Off by default (it measured slower with CPU workers); ``True`` hooks every parameter."""
     from ivyplug.ps import PSClient, PSConfig
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    client = PSClient.start(PSConfig(mode="sync", overlap_backward=overlap), list(model.named_parameters()), [], opt)
+    cfg = PSConfig(mode="sync") if overlap is None else PSConfig(mode="sync", overlap_backward=overlap)
+    client = PSClient.start(cfg, list(model.named_parameters()), [], opt)
     try:
         client.pull_initial()
         assert (client.early is not None) is hooked

@@ -17,12 +17,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from ivyplug.benchmarks.ps import OVERLAPPED, STRATEGIES
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 HIDDEN = 1024
-#: the PS strategies with pushes from backward's gradient hooks (off by default)
-OVERLAP_ON = {"ivy_ps_sync": "ivy_ps_sync_overlap", "ivy_ps": "ivy_ps_overlap"}
 
 
 def digits(repeat: int) -> tuple[TensorDataset, TensorDataset]:
@@ -107,18 +106,17 @@ class EpochClock(pl.Callback):
 
 
 def _strategy(name: str) -> Any:
-    """A registered strategy name, or an ``IvyPSStrategy`` with ``overlap_backward=True``."""
-    for plain, overlapped in OVERLAP_ON.items():
-        if name == overlapped:
-            from ivyplug.integrations.lightning import IvyPSStrategy
+    """A registered strategy name, or (``OVERLAPPED``) an ``IvyPSStrategy`` with ``overlap_backward=True``."""
+    if name not in OVERLAPPED:
+        return name
+    from ivyplug.integrations.lightning import IvyPSStrategy
 
-            return IvyPSStrategy(mode="sync" if plain.endswith("sync") else "async", overlap_backward=True)
-    return name
+    return IvyPSStrategy(mode="sync" if name.startswith("ivy_ps_sync") else "async", overlap_backward=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", required=True, choices=["ddp", *OVERLAP_ON, *OVERLAP_ON.values()])
+    parser.add_argument("--strategy", required=True, choices=[*STRATEGIES, *OVERLAPPED])
     parser.add_argument("--slowdown", type=float, default=1.0)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=16)

@@ -122,7 +122,7 @@ class OOMRecovery:
         self.on_oom()
         _free_memory()
 
-    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
+    def _block_backward_sync(self) -> contextlib.AbstractContextManager[Any]:
         """The strategy's own "this backward is not the step's yet" (DDP's ``no_sync``, the PS's held pushes)."""
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
         return block() if block is not None else contextlib.nullcontext()
@@ -166,7 +166,9 @@ class OOMRecovery:
             loss = _loss_of(self._orig_step(part, *args, **kwargs))
             if loss is None:
                 raise OutOfMemoryRecoveryError("training_step returned no loss for a micro-batch: cannot accumulate")
-            context = self._no_sync() if not finish_here or part is not micro[-1] else contextlib.nullcontext()
+            context = (
+                self._block_backward_sync() if not finish_here or part is not micro[-1] else contextlib.nullcontext()
+            )
             with context:
                 self._orig_backward(loss * scale, optimizer)
             seen = seen + loss.detach().cpu() * scale

@@ -106,8 +106,8 @@ class ServerLoop(threading.Thread):
         # (sync keeps a copy) before its reply goes out, and a worker sends its next push to a shard only
         # after that reply.
         self._push_bufs: dict[tuple[int, int], torch.Tensor] = {}
-        # (sender, shard) -> the data of a PUSH_DATA (and its flags) that waits for its PUSH_PULL
-        self._held: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        # (sender, shard) -> the flags of a PUSH_DATA waiting for its PUSH_PULL; its data is in _push_bufs
+        self._held: dict[tuple[int, int], int] = {}
 
     @property
     def shard(self) -> Shard | None:
@@ -303,8 +303,7 @@ class ServerLoop(threading.Thread):
         if h.kind in _NEEDS_SHARD:
             shard = self._shard_for(h)
         if h.kind == Kind.PUSH_DATA:  # applied with its PUSH_PULL (a later one replaces it)
-            assert data is not None
-            self._held[(h.sender, h.shard)] = (data, h.flags)
+            self._held[(h.sender, h.shard)] = h.flags
         elif h.kind in (Kind.PUSH_PULL, Kind.PULL):
             if h.kind == Kind.PUSH_PULL:
                 assert hyper is not None
@@ -315,7 +314,7 @@ class ServerLoop(threading.Thread):
                         raise PSProtocolError(
                             f"shard {h.shard}: a push without data from {self._who(h)}, and no data sent before it"
                         )
-                    data, flags = held
+                    data, flags = self._push_bufs[(h.sender, h.shard)], held
                 if flags & Flag.BF16:
                     data = shard.bf16.decode(data)
                 fut = shard.push_pull(w, data, hyper)

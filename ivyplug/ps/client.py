@@ -32,7 +32,7 @@ from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.member_group import MemberGroup
 from ivyplug.ps.messages import BatchAsk, Header, Kind
 from ivyplug.ps.mirror import OptimizerSpec, is_elementwise
-from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in
+from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in, nonfinite_in_parts
 from ivyplug.ps.shard import Shard, load_state_bytes
 from ivyplug.ps.sharding import ShardPlan, TensorSpec, auto_max_shard_bytes, build_plan
 from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
@@ -172,10 +172,13 @@ class PSClient:
             self.topo = topology.dedicated(job)
         else:
             self.topo = topology.colocated(job)
-        if cfg.wire_dtype == "bfloat16":  # shards across the wire: pushes and pulls in bf16 (wire_codec.py)
-            for s, ep in self.topo.endpoints.items():
-                if isinstance(ep, WireEndpoint):
-                    ep.bf16 = Bf16Codec(self.plan.shard_numel(s), self.plan.float_ranges(s))
+        for s, ep in self.topo.endpoints.items():  # shards across the wire
+            if not isinstance(ep, WireEndpoint):
+                continue
+            if cfg.wire_dtype == "bfloat16":  # pushes and pulls in bf16 (wire_codec.py)
+                ep.bf16 = Bf16Codec(self.plan.shard_numel(s), self.plan.float_ranges(s))
+            else:  # fp32: cut so that large tensors travel in place (segments.py)
+                ep.segments = self.layout.segments[s]
         if self.topo.link is not None and world_size > 1:
             # from here on the workers meet through the service: a worker that dies leaves, never hangs them
             self._launch_group = self.workers
@@ -231,7 +234,7 @@ class PSClient:
             r = reply.result(self.cfg.timeout)
             staleness.append(r.staleness)
             grad_sq += r.grad_sq
-            self.layout.unpack(s, r.snapshot)
+            self.layout.unpack(s, r.snapshot, r.placed)
         self._flush_sends()
         return staleness, grad_sq
 
@@ -277,7 +280,7 @@ class PSClient:
     def _pull_all(self) -> None:
         self._check_open()
         with self._servers_named():
-            pending = [(s, ep.pull(self.rank)) for s, ep in self.topo.endpoints.items()]
+            pending = [(s, ep.pull(self.rank, self._reply_targets(s))) for s, ep in self.topo.endpoints.items()]
             self._collect(pending)
         self.m.pulls += 1
         self._arm_early()
@@ -315,14 +318,17 @@ class PSClient:
             self.m.shards_sent_again += len(self.early.stale)
             if self.early.stale:  # sent early, changed since: its send must be done before it is packed again
                 self._flush_sends()
-        packed = {s: self.layout.packed(s) if s in early else self.layout.pack(s, clip) for s in self.topo.endpoints}
+        packed = {
+            s: self.layout.packed(s) if s in early else self.layout.payload(s, clip, split=ep.segments is not None)
+            for s, ep in self.topo.endpoints.items()
+        }
         flags = self._check_push(packed) | (PushFlag.DELTA if delta else 0)
         has_grad = encode_mask([p.grad is not None for _, p in self.params])
         prefix = torch.tensor([sync_clip, float(num_samples), float(flags), *has_grad], dtype=torch.float64)
         hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
         with self._servers_named():
             pending = [
-                (s, ep.push_pull(self.rank, None if s in early else packed[s], hyper))
+                (s, ep.push_pull(self.rank, None if s in early else packed[s], hyper, self._reply_targets(s)))
                 for s, ep in self.topo.endpoints.items()
             ]
             staleness, grad_sq = self._collect(pending)
@@ -338,6 +344,10 @@ class PSClient:
             self.m.staleness_max = max(self.m.staleness_max, tau_max)
         self._scales_pushes = max_grad_norm is not None and self.cfg.mode != "sync"
         self._arm_early()
+
+    def _reply_targets(self, shard: int) -> list[torch.Tensor | None] | None:
+        """Where shard ``shard``'s reply parts are received in place, when its wire is cut (segments.py)."""
+        return self.layout.reply_targets(shard) if self.topo.endpoints[shard].segments is not None else None
 
     def _arm_early(self) -> None:
         """Let the next backward send early, unless that would only repeat what the step sends anyway."""
@@ -357,7 +367,7 @@ class PSClient:
             return
         self.early.arm()
 
-    def _check_push(self, packed: dict[int, torch.Tensor]) -> int:
+    def _check_push(self, packed: dict[int, torch.Tensor | list[torch.Tensor]]) -> int:
         """Push flags after checking the whole push (every shard's part) for NaN/Inf, before any is sent.
 
         Checking here, where the whole push is at hand, makes the policy atomic: every shard gets the same
@@ -366,9 +376,16 @@ class PSClient:
         ranges = self.layout.float_ranges
         # with a bf16 wire, a finite fp32 value that bf16 rounds to Inf is non-finite there too (same pass)
         below = BF16_OVERFLOW if self.cfg.wire_dtype == "bfloat16" else None
-        if all(nonfinite_in(data, ranges[s], below) is None for s, data in packed.items()):
+
+        def found(s: int, data: torch.Tensor | list[torch.Tensor], below: float | None) -> bool:
+            if isinstance(data, torch.Tensor):
+                return nonfinite_in(data, ranges[s], below) is not None
+            starts = [seg.start for seg in self.layout.segments[s]]
+            return nonfinite_in_parts(data, starts, ranges[s], below) is not None
+
+        if not any(found(s, data, below) for s, data in packed.items()):
             return 0
-        if any(nonfinite_in(data, ranges[s]) is not None for s, data in packed.items()):
+        if any(found(s, data, None) for s, data in packed.items()):
             name = self.layout.first_nonfinite()
         else:
             name = "a value beyond bfloat16's range (|x| >= 3.3962e38, Inf once sent with wire_dtype='bfloat16')"

@@ -21,6 +21,7 @@ import torch
 
 from ivyplug.ps import typed_state
 from ivyplug.ps.messages import Flag, Header, Kind, Status, arg_float, bytes_to_words, words_to_bytes
+from ivyplug.ps.segments import Segment, views
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError
 from ivyplug.ps.wire_codec import Bf16Codec
@@ -38,16 +39,28 @@ class PendingReply(Protocol):
     def result(self, timeout: float) -> Reply: ...
 
 
+#: a push's fp32 data: one flat tensor, or its parts cut as the endpoint's segments
+Payload = torch.Tensor | list[torch.Tensor]
+#: per segment, the tensor its part of a reply is received into in place, or None (the reply buffer)
+Targets = list[torch.Tensor | None]
+
+
 class ShardEndpoint(Protocol):
     """One shard as the client sees it, wherever it runs."""
 
     shard: int
+    #: the cut its fp32 payloads travel in (segments.py); None where they do not travel split (a shard in this
+    #: process, a bf16 wire). With a cut, a push's ``data`` is one tensor per segment, and ``into`` may name,
+    #: per segment, a tensor the reply's part is received into in place (None: the reply buffer).
+    segments: list[Segment] | None
 
     def push_data(self, worker: int, data: torch.Tensor) -> None: ...
 
-    def push_pull(self, worker: int, data: torch.Tensor | None, hyper: torch.Tensor) -> PendingReply: ...
+    def push_pull(
+        self, worker: int, data: Payload | None, hyper: torch.Tensor, into: Targets | None = None
+    ) -> PendingReply: ...
 
-    def pull(self, worker: int) -> PendingReply: ...
+    def pull(self, worker: int, into: Targets | None = None) -> PendingReply: ...
 
     def idle(self, worker: int) -> None: ...
 
@@ -90,19 +103,24 @@ class InProcessEndpoint:
         self.shard = shard.shard
         self._stats = stats if stats is not None else WireStats()
         self._held: dict[int, torch.Tensor] = {}  # worker -> the data of its next push (push_data)
+        self.segments: list[Segment] | None = None  # nothing travels: the shard reads the push's buffer
 
     def push_data(self, worker: int, data: torch.Tensor) -> None:
         self._held[worker] = data
 
-    def push_pull(self, worker: int, data: torch.Tensor | None, hyper: torch.Tensor) -> PendingReply:
+    def push_pull(
+        self, worker: int, data: Payload | None, hyper: torch.Tensor, into: Targets | None = None
+    ) -> PendingReply:
         held = self._held.pop(worker, None)
         if data is None:
             if held is None:
                 raise PSProtocolError(f"shard {self.shard}: a push without data, and no data sent before it")
             data = held
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"shard {self.shard} is in this process: a push is one flat tensor, not {len(data)} parts")
         return _LocalReply(self.target.push_pull(worker, data, hyper), self.target, worker, self._stats)
 
-    def pull(self, worker: int) -> PendingReply:
+    def pull(self, worker: int, into: Targets | None = None) -> PendingReply:
         return _LocalReply(self.target.pull(worker), self.target, worker, self._stats)
 
     def idle(self, worker: int) -> None:
@@ -120,9 +138,16 @@ class InProcessEndpoint:
 
 class _WireReply:
     def __init__(
-        self, endpoint: WireEndpoint, hbuf: torch.Tensor, works: list[Any], out: torch.Tensor | None, what: str
+        self,
+        endpoint: WireEndpoint,
+        hbuf: torch.Tensor,
+        works: list[Any],
+        out: torch.Tensor | None,
+        what: str,
+        into: Targets | None = None,
     ):
         self._endpoint, self._hbuf, self._works, self._out, self._what = endpoint, hbuf, works, out, what
+        self._into = into
 
     def header(self, timeout: float) -> Header:
         return self._endpoint.finish(self._hbuf, self._works, self._what, timeout)
@@ -134,10 +159,20 @@ class _WireReply:
     def result(self, timeout: float) -> Reply:
         h = self.header(timeout)
         assert self._out is not None
-        codec = self._endpoint.bf16
+        ep = self._endpoint
+        codec = ep.bf16
         if codec is not None and h.flags & Flag.BF16:  # a bf16 reply: decode into the reused fp32 buffer
-            return Reply(codec.decode(self._out, self._endpoint.decoded()), h.arg1, h.arg0, h.arg2, arg_float(h.arg3))
-        return Reply(self._out, h.arg1, h.arg0, h.arg2, arg_float(h.arg3))
+            return Reply(codec.decode(self._out, ep.decoded()), h.arg1, h.arg0, h.arg2, arg_float(h.arg3))
+        placed: tuple[int, ...] = ()
+        if h.flags & Flag.SPLIT:  # its parts follow the OK header, some straight into the worker's tensors
+            assert ep.segments is not None
+            into = self._into if self._into is not None else [None] * len(ep.segments)
+            parts = [v if t is None else t for t, v in zip(into, views(self._out, ep.segments), strict=True)]
+            t0 = time.monotonic()
+            ep.channel.recv_reply_parts(ep.dst, parts, ep.shard + 1, f"rank {ep.dst}'s reply to {self._what}", timeout)
+            ep._stats.wait_seconds += time.monotonic() - t0
+            placed = tuple(i for i, t in enumerate(into) if t is not None)
+        return Reply(self._out, h.arg1, h.arg0, h.arg2, arg_float(h.arg3), placed)
 
 
 class WireEndpoint:
@@ -154,6 +189,8 @@ class WireEndpoint:
         self._seq = 0
         #: set (PSConfig.wire_dtype="bfloat16"): pushes and pulls travel as bf16 (wire_codec.py)
         self.bf16: Bf16Codec | None = None
+        #: set (fp32 wire): pushes and pulls travel cut so, large tensors in place (segments.py)
+        self.segments: list[Segment] | None = None
 
     def decoded(self) -> torch.Tensor:
         """The reused fp32 buffer a bf16 reply is decoded into."""
@@ -165,13 +202,15 @@ class WireEndpoint:
     def request(
         self,
         kind: int,
-        data: torch.Tensor | None = None,
+        data: Payload | None = None,
         hyper: torch.Tensor | None = None,
         reply_numel: int = 0,
         what: str = "",
+        into: Targets | None = None,
         **args: int,
     ) -> _WireReply:
         self._seq += 1
+        split = False
         if kind in (Kind.PUSH_PULL, Kind.PULL):
             if self._reply_buf is None:
                 words = self.bf16.words if self.bf16 is not None else self.numel
@@ -180,13 +219,22 @@ class WireEndpoint:
             if self.bf16 is not None:
                 args["flags"] = Flag.BF16
                 if data is not None:
+                    assert isinstance(data, torch.Tensor), "a bf16 push is one flat tensor"
                     data = self.bf16.encode(data)
+            elif self.segments is not None:
+                split = True
+                args["flags"] = Flag.SPLIT
+                if isinstance(data, torch.Tensor) and data.numel() == self.numel:
+                    data = views(data, self.segments)  # (a payload of another size travels whole, to be refused)
+                if isinstance(data, list) and len(data) != len(self.segments):
+                    cut = len(self.segments)
+                    raise ValueError(f"shard {self.shard}: a push in {len(data)} parts; its cut has {cut}")
         else:
             out = torch.empty(reply_numel, dtype=torch.float32) if reply_numel else None
-        hbuf, works = self.channel.post_reply(self.dst, out, self.shard + 1)
+        hbuf, works = self.channel.post_reply(self.dst, out, self.shard + 1, split=split)
         h = Header(kind=kind, sender=self.channel.rank, shard=self.shard, seq=self._seq, **args)
         self._stats.bytes_sent += self.channel.send(self.dst, h, data, hyper, wait=False)
-        return _WireReply(self, hbuf, works, out, what or f"a kind-{kind} request for shard {self.shard}")
+        return _WireReply(self, hbuf, works, out, what or f"a kind-{kind} request for shard {self.shard}", into)
 
     def finish(self, hbuf: torch.Tensor, works: list[Any], what: str, timeout: float) -> Header:
         t0 = time.monotonic()
@@ -218,11 +266,13 @@ class WireEndpoint:
         h = Header(kind=Kind.PUSH_DATA, sender=self.channel.rank, shard=self.shard, flags=flags)
         self._stats.bytes_sent += self.channel.send(self.dst, h, data, wait=False)
 
-    def push_pull(self, worker: int, data: torch.Tensor | None, hyper: torch.Tensor) -> PendingReply:
-        return self.request(Kind.PUSH_PULL, data, hyper, what=f"the push/pull of shard {self.shard}")
+    def push_pull(
+        self, worker: int, data: Payload | None, hyper: torch.Tensor, into: Targets | None = None
+    ) -> PendingReply:
+        return self.request(Kind.PUSH_PULL, data, hyper, what=f"the push/pull of shard {self.shard}", into=into)
 
-    def pull(self, worker: int) -> PendingReply:
-        return self.request(Kind.PULL, what=f"the pull of shard {self.shard}")
+    def pull(self, worker: int, into: Targets | None = None) -> PendingReply:
+        return self.request(Kind.PULL, what=f"the pull of shard {self.shard}", into=into)
 
     def idle(self, worker: int) -> None:
         self.send(Kind.IDLE)

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ivyplug.ps.segments import wire_segments
 from ivyplug.ps.shard import piece_shape
-from ivyplug.ps.sharding import ShardPlan
+from ivyplug.ps.sharding import Piece, ShardPlan
 
 
 def buffer_words(b: torch.Tensor) -> torch.Tensor:
@@ -34,6 +35,12 @@ class FlatLayout:
         self.buffers = list(buffers)
         self._push_bufs: dict[int, torch.Tensor] = {}
         self.float_ranges = [plan.float_ranges(s) for s in range(plan.num_shards)]
+        #: per shard, the cut its payloads travel in over an fp32 wire (segments.py), and each segment's pieces
+        self.segments = [wire_segments(plan.pieces[s]) for s in range(plan.num_shards)]
+        self._segment_pieces = [
+            [[p for p in plan.pieces[s] if seg.start <= p.offset < seg.end] for seg in self.segments[s]]
+            for s in range(plan.num_shards)
+        ]
 
     def tensor(self, index: int) -> torch.Tensor:
         n = len(self.params)
@@ -61,17 +68,14 @@ class FlatLayout:
         self.gather_shard(full, shard, out)
         return out
 
-    def pack(self, shard: int, clip: float) -> torch.Tensor:
-        """This worker's gradients (zeros where None, times ``clip``) then buffers of ``shard``.
-
-        Into a buffer allocated once per shard: a fresh multi-MB tensor per step costs page faults on first
-        touch (glibc serves large blocks with mmap), about as much as the copy. Reuse is safe: a step waits
-        for its sends and unpacks every reply before the next step packs into the same buffer.
-        """
+    def _push_buf(self, shard: int) -> torch.Tensor:
         out = self._push_bufs.get(shard)
         if out is None:
             out = self._push_bufs[shard] = torch.empty(self.plan.shard_numel(shard), dtype=torch.float32)
-        for p in self.plan.pieces[shard]:
+        return out
+
+    def _pack_pieces(self, out: torch.Tensor, pieces: Sequence[Piece], clip: float) -> None:
+        for p in pieces:
             dst = out[p.offset : p.offset + p.numel]
             t = self.tensor(p.index)
             if not p.is_float:
@@ -90,17 +94,71 @@ class FlatLayout:
             dst.copy_(src.reshape(-1))
             if p.kind == "param" and clip != 1.0:
                 dst.mul_(clip)
+
+    def pack(self, shard: int, clip: float) -> torch.Tensor:
+        """This worker's gradients (zeros where None, times ``clip``) then buffers of ``shard``.
+
+        Into a buffer allocated once per shard: a fresh multi-MB tensor per step costs page faults on first
+        touch (glibc serves large blocks with mmap), about as much as the copy. Reuse is safe: a step waits
+        for its sends and unpacks every reply before the next step packs into the same buffer.
+        """
+        out = self._push_buf(shard)
+        self._pack_pieces(out, self.plan.pieces[shard], clip)
         return out
+
+    def payload(self, shard: int, clip: float, split: bool) -> torch.Tensor | list[torch.Tensor]:
+        """What a push sends for ``shard``: :meth:`pack`'s buffer, or (``split``) one tensor per segment of
+        its cut, each large gradient as itself (no copy) where it can travel so (:meth:`_in_place`)."""
+        if not split:
+            return self.pack(shard, clip)
+        out = self._push_buf(shard)
+        pieces = self.plan.pieces[shard]
+        parts = []
+        for seg, inside in zip(self.segments[shard], self._segment_pieces[shard], strict=True):
+            view = self._in_place(pieces[seg.piece], grad=True) if seg.piece is not None and clip == 1.0 else None
+            if view is None:
+                self._pack_pieces(out, inside, clip)
+                view = out[seg.start : seg.end]
+            parts.append(view)
+        return parts
+
+    def reply_targets(self, shard: int) -> list[torch.Tensor | None]:
+        """Per segment of ``shard``'s cut, the parameter (part) its reply part can be received into in place,
+        else None (received into the reply buffer, then unpacked)."""
+        pieces = self.plan.pieces[shard]
+        return [
+            self._in_place(pieces[seg.piece], grad=False) if seg.piece is not None else None
+            for seg in self.segments[shard]
+        ]
+
+    def _in_place(self, piece: Piece, grad: bool) -> torch.Tensor | None:
+        """The flat view of ``piece`` in its parameter's ``.grad`` (``grad``) or in the parameter itself, when
+        that memory can go on the wire as it is: fp32, on the CPU, contiguous. Else None (it is copied)."""
+        owner = self.tensor(piece.index)
+        t = owner.grad if grad else owner
+        if t is None:
+            return None
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.is_sparse or not t.is_contiguous():
+            return None
+        flat = t.detach().view(-1)
+        row = flat.numel() // t.shape[0] if t.dim() > 0 else 1
+        view = flat[piece.row_start * row : piece.row_end * row]
+        return view if view.numel() == piece.numel else None
 
     def packed(self, shard: int) -> torch.Tensor:
         """The buffer :meth:`pack` last filled for ``shard``."""
         return self._push_bufs[shard]
 
-    def unpack(self, shard: int, flat: torch.Tensor) -> None:
-        """Write a reply (``shard``'s params then buffers) into this worker's tensors."""
+    def unpack(self, shard: int, flat: torch.Tensor, placed: Sequence[int] = ()) -> None:
+        """Write a reply (``shard``'s params then buffers) into this worker's tensors, but for the pieces
+        of the segments at positions ``placed`` of its cut (received in place)."""
+        skip = {self.segments[shard][i].piece for i in placed}
         with torch.no_grad():
-            for p in self.plan.pieces[shard]:
+            for i, p in enumerate(self.plan.pieces[shard]):
                 t = self.tensor(p.index)
+                if i in skip:  # written by the receive itself: autograd must still see the change
+                    torch.autograd.graph.increment_version(t)
+                    continue
                 spec = self.plan.specs[p.index]
                 if not p.is_float:  # int64 bits, exact (cloned: a view needs 8-byte alignment)
                     t.copy_(flat[p.offset : p.offset + p.numel].clone().view(torch.int64).view(t.shape))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 MAGIC = 0x1B5F_5053  # "ivy PS"
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: payloads may travel cut into segments (Flag.SPLIT, segments.py)
 HEADER_LEN = 16
 
 # tags on the PS point-to-point group
@@ -73,6 +73,8 @@ class Status:
 class Flag:
     STOP = 1
     BF16 = 2  # PUSH_PULL/PUSH_DATA/PULL: the request's payload and its reply's are bf16 pairs in fp32 words
+    SPLIT = 4  # PUSH_PULL/PULL: the request's fp32 payload and its reply's travel as the shard's segments
+    #            (segments.py), one message each; an error reply to such a request carries no payload
 
 
 @dataclass

@@ -9,6 +9,7 @@ the worker's optimizer (mirror.py). Nothing here is pickled: every value is a nu
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -66,6 +67,21 @@ def nonfinite_in(data: torch.Tensor, ranges: list[tuple[int, int]], below: float
         limit = math.inf if below is None else below
         if not (-limit < low and high < limit):  # false for NaN, and for ±Inf
             return a
+    return None
+
+
+def nonfinite_in_parts(
+    parts: Sequence[torch.Tensor], starts: Sequence[int], ranges: list[tuple[int, int]], below: float | None = None
+) -> int | None:
+    """:func:`nonfinite_in` over a payload cut into ``parts`` (part i holds the words from ``starts[i]``):
+    an offset inside the first range that holds a NaN/Inf (where that range starts, or where a part of it
+    starts), else None."""
+    for part, start in zip(parts, starts, strict=True):
+        end = start + part.numel()
+        inside = [(max(a, start) - start, min(b, end) - start) for a, b in ranges if a < end and b > start]
+        at = nonfinite_in(part, inside, below)
+        if at is not None:
+            return start + at
     return None
 
 

@@ -30,6 +30,7 @@ from ivyplug.ps.messages import (
     float_arg,
     words_to_bytes,
 )
+from ivyplug.ps.segments import Segment, views
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError
 
@@ -121,8 +122,10 @@ class ServerLoop(threading.Thread):
     def _flags(self) -> int:
         return Flag.STOP if self.stop.is_set() else 0
 
-    def _reply(self, to: int, request: Header, data: torch.Tensor | None = None, **args: int) -> None:
-        flags = self._flags() | (request.flags & Flag.BF16)
+    def _reply(
+        self, to: int, request: Header, data: torch.Tensor | list[torch.Tensor] | None = None, **args: int
+    ) -> None:
+        flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT))
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
         sent = self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1)
         if self.traffic is not None:
@@ -145,7 +148,9 @@ class ServerLoop(threading.Thread):
             arg3=len(blob),
         )
         stream = request.shard + 1
-        self.channel.send(to, h, torch.zeros(self._reply_numel(request)), reply=True, wait=False, stream=stream)
+        # a split request's receiver posts the payload's receives only after an OK header (transport.py)
+        zeros = None if request.flags & Flag.SPLIT else torch.zeros(self._reply_numel(request))
+        self.channel.send(to, h, zeros, reply=True, wait=False, stream=stream)
         self.channel.send_error_text(to, blob, stream)
 
     def _reply_numel(self, request: Header) -> int:
@@ -170,7 +175,7 @@ class ServerLoop(threading.Thread):
                     refusal = self._check_sizes(header)
                 key = (header.sender, header.shard)
                 into = self._push_bufs.get(key) if header.kind in _PUSHES else None
-                data, hyper = self.channel.recv_request_payload(header, into)
+                data, hyper = self.channel.recv_request_payload(header, into, self._segments(header))
                 # kept for reuse only for a push the loop will take (a refused one may name any shard or size)
                 if header.kind in _PUSHES and data is not None and refusal is None and header.shard in self.shards:
                     self._push_bufs[key] = data
@@ -212,6 +217,19 @@ class ServerLoop(threading.Thread):
                             file=sys.stderr,
                             flush=True,
                         )
+
+    def _segments(self, h: Header) -> list[Segment] | None:
+        """The cut a split request's payload travels in (its shard's), None for one message: only a payload of
+        the shard's size is cut (a wrong-sized one travels whole and is refused as before)."""
+        if not h.flags & Flag.SPLIT or h.numel == 0:
+            return None
+        target = self.shards.get(h.shard)
+        if h.kind != Kind.PUSH_PULL or target is None or h.flags & Flag.BF16:
+            raise PSProtocolError(
+                f"{self._who(h)} sent a split kind-{h.kind} payload for shard {h.shard}: only fp32 pushes to a "
+                f"shard this server holds ({sorted(self.shards)}) travel split"
+            )
+        return target.segments if h.numel == target.n_total else None
 
     def _who(self, h: Header) -> str:
         return f"worker {self.member}" if self.member is not None else f"rank {h.sender}"
@@ -281,7 +299,11 @@ class ServerLoop(threading.Thread):
                 return
             r = fut.result()
             target = self.shards[request.shard]
-            snapshot = target.bf16.encode(r.snapshot) if request.flags & Flag.BF16 else r.snapshot
+            snapshot: torch.Tensor | list[torch.Tensor] = r.snapshot
+            if request.flags & Flag.BF16:
+                snapshot = target.bf16.encode(r.snapshot)
+            elif request.flags & Flag.SPLIT:
+                snapshot = views(r.snapshot, target.segments)
             self._reply(
                 to, request, snapshot, arg0=r.staleness, arg1=r.version, arg2=r.clock, arg3=float_arg(r.grad_sq)
             )

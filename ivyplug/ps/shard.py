@@ -47,6 +47,7 @@ from ivyplug.ps import typed_state
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.mirror import OptimizerSpec
 from ivyplug.ps.push import HYPER_PREFIX, PushFlag, decode_mask, mask_words, nonfinite_in, squared_norm
+from ivyplug.ps.segments import wire_segments
 from ivyplug.ps.sharding import Piece, ShardPlan
 from ivyplug.ps.transport import PSProtocolError
 from ivyplug.ps.wire_codec import Bf16Codec
@@ -93,6 +94,9 @@ class Reply(NamedTuple):
     #: clipping) of the step that made ``version``; NaN in async/ssp, before the first step and after a step
     #: whose every push was dropped. Summed over shards it gives |g_big|² for the gradient noise scale.
     grad_sq: float = math.nan
+    #: positions (in the shard's wire segments) of the parts the worker received straight into its tensors:
+    #: ``snapshot`` does not hold them (segments.py)
+    placed: tuple[int, ...] = ()
 
 
 class PushRefused(PSProtocolError):
@@ -151,6 +155,7 @@ class Shard:
         ]
         self._float_ranges = plan.float_ranges(shard)
         self.bf16 = Bf16Codec(self.n_total, self._float_ranges)  # decodes bf16 pushes to fp32, encodes replies
+        self.segments = wire_segments(self.pieces)  # how its fp32 payloads travel when split (Flag.SPLIT)
         self.num_params = plan.num_params
         self._mask_words = mask_words(self.num_params)
         self.nonfinite_skipped = [0] * num_workers

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +28,7 @@ from ivyplug.ps.messages import (
     empty_header,
     words_to_bytes,
 )
+from ivyplug.ps.segments import Segment, views
 
 #: how long a server may sit idle between requests (an any-source receive must never time out, see above)
 IDLE_WAIT = timedelta(days=7)
@@ -104,7 +106,7 @@ class Channel:
         self,
         dst: int,
         header: Header,
-        data: torch.Tensor | None = None,
+        data: torch.Tensor | Sequence[torch.Tensor] | None = None,
         hyper: torch.Tensor | None = None,
         *,
         reply: bool = False,
@@ -113,9 +115,11 @@ class Channel:
     ) -> int:
         """Send header then payloads atomically w.r.t. other threads; returns bytes sent.
 
+        ``data``: the fp32 payload, one tensor or its segments (segments.py), each its own message in order.
         With ``wait=False`` the tensors are kept alive until :meth:`flush` finds the sends done.
         """
-        header.numel = 0 if data is None else data.numel()
+        parts = [] if data is None else [data] if isinstance(data, torch.Tensor) else list(data)
+        header.numel = sum(t.numel() for t in parts)
         header.n_hyper = 0 if hyper is None else hyper.numel()
         h = header.encode()
         tensors: list[torch.Tensor] = [h]
@@ -123,11 +127,11 @@ class Channel:
         with self._send_lock:
             what = f"a kind-{header.kind} message"
             works.append(self._isend(h, dst, reply_tag(TAG_REPLY, stream) if reply else TAG_REQUEST, what))
-            if data is not None and data.numel() > 0:
-                tensors.append(data)
-                works.append(
-                    self._isend(data, dst, reply_tag(TAG_REPLY_DATA, stream) if reply else TAG_REQUEST_DATA, what)
-                )
+            data_tag = reply_tag(TAG_REPLY_DATA, stream) if reply else TAG_REQUEST_DATA
+            for part in parts:
+                if part.numel() > 0:
+                    tensors.append(part)
+                    works.append(self._isend(part, dst, data_tag, what))
             if hyper is not None and hyper.numel() > 0:
                 if reply:
                     raise PSProtocolError("replies carry no fp64 payload")
@@ -177,22 +181,33 @@ class Channel:
         return Header.decode(t)
 
     def recv_request_payload(
-        self, header: Header, into: torch.Tensor | None = None
+        self, header: Header, into: torch.Tensor | None = None, segments: Sequence[Segment] | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Receive the fp32 and fp64 payloads announced by ``header`` from its sender.
 
         ``into``: a buffer for the fp32 payload when its size matches (reused: a fresh multi-MB tensor per
-        push costs a page fault per 4 KiB on first touch, about as much as the receive's own copy)."""
+        push costs a page fault per 4 KiB on first touch, about as much as the receive's own copy).
+        ``segments``: the payload travels cut so (``Flag.SPLIT``), one message per segment, each received
+        into its part of the buffer."""
         data = hyper = None
         works = []
+        what = f"the payload of a kind-{header.kind}"
         if header.numel > 0:
             reuse = into is not None and into.numel() == header.numel and into.dtype == torch.float32
             data = into if reuse else torch.empty(header.numel, dtype=torch.float32)
             assert data is not None
-            works.append(self._irecv(data, header.sender, TAG_REQUEST_DATA, f"the payload of a kind-{header.kind}"))
+            if segments is None:
+                works.append(self._irecv(data, header.sender, TAG_REQUEST_DATA, what))
+            else:
+                if sum(s.numel for s in segments) != header.numel:
+                    raise PSProtocolError(
+                        f"rank {header.sender} announced a split payload of {header.numel} values; its shard's "
+                        f"segments hold {sum(s.numel for s in segments)}"
+                    )
+                works += [self._irecv(v, header.sender, TAG_REQUEST_DATA, what) for v in views(data, segments)]
         if header.n_hyper > 0:
             hyper = torch.empty(header.n_hyper, dtype=torch.float64)
-            works.append(self._irecv(hyper, header.sender, TAG_REQUEST_HYPER, f"the payload of a kind-{header.kind}"))
+            works.append(self._irecv(hyper, header.sender, TAG_REQUEST_HYPER, what))
         for w in works:
             wait_work(w, self.timeout, f"the payload of a kind-{header.kind} message from rank {header.sender}")
         return data, hyper
@@ -215,13 +230,25 @@ class Channel:
         wait_work(work, self.timeout, f"rank {src}'s error text")
         return words_to_bytes(words, nbytes).decode("utf-8", errors="replace")
 
-    def post_reply(self, src: int, data: torch.Tensor | None, stream: int = 0) -> tuple[torch.Tensor, list[Any]]:
-        """Post receives for a reply header (and fp32 payload into ``data``) from ``src`` before asking."""
+    def post_reply(
+        self, src: int, data: torch.Tensor | None, stream: int = 0, split: bool = False
+    ) -> tuple[torch.Tensor, list[Any]]:
+        """Post receives for a reply header (and fp32 payload into ``data``) from ``src`` before asking.
+
+        ``split``: only the header's; its payload is received after it (:meth:`recv_reply_parts`), once the
+        header says the reply is not an error (an error reply to a split request carries no payload, so an
+        error never writes into tensors a reply is received into in place)."""
         h = empty_header()
         works = [self._irecv(h, src, reply_tag(TAG_REPLY, stream), "a reply")]
-        if data is not None and data.numel() > 0:
+        if not split and data is not None and data.numel() > 0:
             works.append(self._irecv(data, src, reply_tag(TAG_REPLY_DATA, stream), "a reply"))
         return h, works
+
+    def recv_reply_parts(self, src: int, parts: Sequence[torch.Tensor], stream: int, what: str, timeout: float) -> None:
+        """Receive a split reply's payload from ``src``: one message into each of ``parts``, in order."""
+        works = [self._irecv(t, src, reply_tag(TAG_REPLY_DATA, stream), "a reply") for t in parts if t.numel() > 0]
+        for w in works:
+            wait_work(w, timeout, what)
 
     def wait_reply(self, h: torch.Tensor, works: list[Any], what: str, timeout: float | None = None) -> Header:
         """Wait for the reply header, then its payload; an error reply without payload returns at once

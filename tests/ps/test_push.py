@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
-from ivyplug.ps.push import nonfinite_in, squared_norm
+from ivyplug.ps.push import nonfinite_in, nonfinite_in_parts, squared_norm
 from ivyplug.ps.wire_codec import BF16_OVERFLOW
 
 
@@ -32,6 +33,30 @@ def test_nonfinite_scan_matches_the_elementwise_check(below: float | None) -> No
         for _ in range(int(torch.randint(0, 3, (1,), generator=gen))):
             data[int(torch.randint(0, n, (1,), generator=gen))] = specials[trial % len(specials)]
         assert nonfinite_in(data, ranges, below) == _reference(data, ranges, below), trial
+
+
+@pytest.mark.parametrize("below", [None, BF16_OVERFLOW])
+def test_the_scan_of_a_payload_in_parts_finds_what_the_whole_scan_finds(below: float | None) -> None:
+    """A push cut into segments (segments.py): ranges that straddle parts, parts outside every range."""
+    gen = torch.Generator().manual_seed(11)
+    specials = [math.nan, math.inf, -math.inf, 3.0e38, BF16_OVERFLOW]
+    for trial in range(300):
+        n = int(torch.randint(2, 2000, (1,), generator=gen))
+        data = torch.randn(n, generator=gen)
+        cuts = sorted(int(c) for c in torch.randint(0, n + 1, (4,), generator=gen))
+        ranges = [(cuts[0], cuts[1]), (cuts[2], cuts[3])]
+        for _ in range(int(torch.randint(0, 3, (1,), generator=gen))):
+            data[int(torch.randint(0, n, (1,), generator=gen))] = specials[trial % len(specials)]
+        bounds = sorted({0, n, *(int(c) for c in torch.randint(1, n, (3,), generator=gen))})
+        parts = [data[a:b] for a, b in itertools.pairwise(bounds)]
+        whole = _reference(data, ranges, below)
+        got = nonfinite_in_parts(parts, bounds[:-1], ranges, below)
+        if whole is None:
+            assert got is None, trial
+        else:  # an offset inside the first range that holds one
+            assert got is not None, trial
+            end = next(b for a, b in ranges if a == whole)
+            assert whole <= got < end, trial
 
 
 def test_finite_values_whose_sum_overflows_are_finite() -> None:

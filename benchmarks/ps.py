@@ -77,7 +77,8 @@ def _free_port() -> int:
 
 
 def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int, out: str) -> None:
-    """Rank r of 2: gloo send/recv ping-pong, then PS push+pull of one shard held by the other rank."""
+    """Rank r of 2: per repetition, a gloo send/recv round trip, then a PS push+pull of one shard held by the
+    other rank (interleaved, so that drifts of foreign load hit both alike)."""
     import torch
     import torch.distributed as dist
 
@@ -89,21 +90,6 @@ def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int
     try:
         for mb in sizes_mb:
             t = torch.ones(mb * 2**20 // 4)
-            times = []
-            for i in range(reps + 2):
-                dist.barrier()
-                start = time.perf_counter()
-                if rank == 0:
-                    dist.send(t, 1)
-                    dist.recv(t, 1)
-                else:
-                    dist.recv(t, 0)
-                    dist.send(t, 0)
-                if i >= 2:
-                    times.append(time.perf_counter() - start)
-            # a round trip carries the tensor twice
-            results["gloo_p2p"][mb] = 2 * t.numel() * 4 / statistics.median(times) / 1e9
-
             weight = torch.nn.Parameter(torch.zeros(mb * 2**20 // 4))
             optimizer = torch.optim.SGD([weight], lr=0.0)
             client = PSClient.start(
@@ -115,15 +101,30 @@ def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int
             )
             try:
                 owner = client.plan.nonempty_shards()[0]
-                steps = []
-                if rank != owner:  # the worker whose shard lives on the other rank: every byte crosses gloo
-                    weight.grad = torch.ones_like(weight)
-                    for i in range(reps + 2):
+                weight.grad = torch.ones_like(weight)
+                gloo, steps = [], []
+                for i in range(reps + 2):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    if rank == 0:
+                        dist.send(t, 1)
+                        dist.recv(t, 1)
+                    else:
+                        dist.recv(t, 0)
+                        dist.send(t, 0)
+                    elapsed = time.perf_counter() - start
+                    if i >= 2 and rank == 0:
+                        gloo.append(elapsed)
+                    dist.barrier()
+                    if rank != owner:  # the worker whose shard lives on the other rank: every byte crosses gloo
                         start = time.perf_counter()
                         client.step(num_samples=1)
                         if i >= 2:
                             steps.append(time.perf_counter() - start)
                 client.sync()
+                # a round trip carries the tensor twice
+                if gloo:
+                    results["gloo_p2p"][mb] = 2 * t.numel() * 4 / statistics.median(gloo) / 1e9
                 if steps:
                     results["ps_push_pull"][mb] = 2 * weight.numel() * 4 / statistics.median(steps) / 1e9
             finally:
@@ -185,7 +186,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             s: 100 * (by[(s, SLOWDOWN)]["val_acc"] - ddp_slow["val_acc"]) for s in ("ivy_ps_sync", "ivy_ps")
         },
     }
-    bandwidth = measure_bandwidth(reps=2 if quick else 5)
+    bandwidth = measure_bandwidth(reps=2 if quick else 15)
     return {
         "quick": quick,
         "rounds": 1 if quick else ROUNDS,

@@ -9,6 +9,7 @@ start, checkpoints, close) run on a group of their own (worker_group.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -175,6 +176,7 @@ class PSClient:
         for s, ep in self.topo.endpoints.items():  # shards across the wire
             if not isinstance(ep, WireEndpoint):
                 continue
+            ep.host_buffer = functools.partial(self.layout.host_buffer, shard=s)
             if cfg.wire_dtype == "bfloat16":  # pushes and pulls in bf16 (wire_codec.py)
                 ep.bf16 = Bf16Codec(self.plan.shard_numel(s), self.plan.float_ranges(s))
             else:  # fp32: cut so that large tensors travel in place (segments.py)

@@ -12,6 +12,7 @@ hooks, early_push.py); the ``push_pull`` without data that follows applies it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -191,11 +192,13 @@ class WireEndpoint:
         self.bf16: Bf16Codec | None = None
         #: set (fp32 wire): pushes and pulls travel cut so, large tensors in place (segments.py)
         self.segments: list[Segment] | None = None
+        #: allocates the fp32 buffer a reply lands in (the client's: pinned where its tensors are on CUDA)
+        self.host_buffer: Callable[[int], torch.Tensor] = lambda numel: torch.empty(numel, dtype=torch.float32)
 
     def decoded(self) -> torch.Tensor:
         """The reused fp32 buffer a bf16 reply is decoded into."""
         if self._decoded is None:
-            self._decoded = torch.empty(self.numel, dtype=torch.float32)
+            self._decoded = self.host_buffer(self.numel)
         return self._decoded
 
     # -- plumbing shared by every request ---------------------------------------------------------
@@ -214,7 +217,7 @@ class WireEndpoint:
         if kind in (Kind.PUSH_PULL, Kind.PULL):
             if self._reply_buf is None:
                 words = self.bf16.words if self.bf16 is not None else self.numel
-                self._reply_buf = torch.empty(words, dtype=torch.float32)
+                self._reply_buf = self.host_buffer(words) if self.bf16 is None else torch.empty(words)
             out: torch.Tensor | None = self._reply_buf
             if self.bf16 is not None:
                 args["flags"] = Flag.BF16

@@ -3,6 +3,11 @@
 A shard's vector holds its pieces (parameter row blocks, whole buffers) in plan order: gradients then
 buffers on a push, parameters then buffers on a reply. Float buffers travel by value; integer buffers as
 their int64 bits, two fp32 words per element (exact, never touched by float arithmetic).
+
+Tensors on a CUDA device travel through one flat buffer per shard on that device: the pieces are packed
+there (device copies), then one device-to-host copy fills the shard's pinned host buffer; a reply takes one
+host-to-device copy, then is unpacked on the device. One transfer per shard and step, not one per piece (each
+a synchronous copy from pageable memory).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from ivyplug.ps.sharding import Piece, ShardPlan
 
 def buffer_words(b: torch.Tensor) -> torch.Tensor:
     """A buffer as flat fp32 words: float buffers by value, integer ones as their int64 bits (exact)."""
-    flat = b.detach().reshape(-1).cpu()
+    flat = b.detach().reshape(-1)
     if b.is_floating_point():
         return flat.float()
     return flat.to(torch.int64).view(torch.float32)
@@ -28,12 +33,20 @@ class FlatLayout:
     """Where each of a worker's tensors lives in each shard's flat vector; packs and unpacks them."""
 
     def __init__(
-        self, plan: ShardPlan, params: Sequence[tuple[str, torch.Tensor]], buffers: Sequence[tuple[str, torch.Tensor]]
+        self,
+        plan: ShardPlan,
+        params: Sequence[tuple[str, torch.Tensor]],
+        buffers: Sequence[tuple[str, torch.Tensor]],
+        staging: bool | None = None,
     ) -> None:
+        """``staging``: pack and unpack a shard through one flat buffer on its tensors' device — None: where
+        they all live on one CUDA device; True: on any device (the CPU too); False: never (per piece)."""
         self.plan = plan
         self.params = list(params)
         self.buffers = list(buffers)
+        self.staging = staging
         self._push_bufs: dict[int, torch.Tensor] = {}
+        self._staged: dict[tuple[int, str], torch.Tensor] = {}  # (shard, "push"/"reply") -> flat on the device
         self.float_ranges = [plan.float_ranges(s) for s in range(plan.num_shards)]
         #: per shard, the cut its payloads travel in over an fp32 wire (segments.py), and each segment's pieces
         self.segments = [wire_segments(plan.pieces[s]) for s in range(plan.num_shards)]
@@ -49,7 +62,7 @@ class FlatLayout:
     def flat_local(self) -> torch.Tensor:
         """All params then buffers of this process, flat fp32 words (the initial broadcast)."""
         ts = [p.detach().reshape(-1).float().cpu() for _, p in self.params]
-        ts += [buffer_words(b) for _, b in self.buffers]
+        ts += [buffer_words(b).cpu() for _, b in self.buffers]
         return torch.cat(ts) if ts else torch.zeros(0)
 
     def gather_shard(self, full: torch.Tensor, shard: int, out: torch.Tensor) -> None:
@@ -68,11 +81,34 @@ class FlatLayout:
         self.gather_shard(full, shard, out)
         return out
 
+    def staging_device(self, shard: int) -> torch.device | None:
+        """The device ``shard`` is packed and unpacked on through one flat buffer (see ``staging``), else None."""
+        if self.staging is False:
+            return None
+        devices = {self.tensor(p.index).device for p in self.plan.pieces[shard]}
+        if len(devices) != 1:
+            return None
+        device = devices.pop()
+        return device if self.staging or device.type == "cuda" else None
+
+    def host_buffer(self, numel: int, shard: int) -> torch.Tensor:
+        """An fp32 host buffer for ``shard``'s payloads: pinned where the shard is staged on CUDA (its copies
+        to and from the device then run at full speed, and without an extra staging copy by the driver)."""
+        device = self.staging_device(shard)
+        return torch.empty(numel, dtype=torch.float32, pin_memory=device is not None and device.type == "cuda")
+
     def _push_buf(self, shard: int) -> torch.Tensor:
         out = self._push_bufs.get(shard)
         if out is None:
-            out = self._push_bufs[shard] = torch.empty(self.plan.shard_numel(shard), dtype=torch.float32)
+            out = self._push_bufs[shard] = self.host_buffer(self.plan.shard_numel(shard), shard)
         return out
+
+    def _staged_buf(self, shard: int, what: str, device: torch.device) -> torch.Tensor:
+        buf = self._staged.get((shard, what))
+        if buf is None or buf.device != device:
+            buf = torch.empty(self.plan.shard_numel(shard), dtype=torch.float32, device=device)
+            self._staged[(shard, what)] = buf
+        return buf
 
     def _pack_pieces(self, out: torch.Tensor, pieces: Sequence[Piece], clip: float) -> None:
         for p in pieces:
@@ -103,7 +139,14 @@ class FlatLayout:
         for its sends and unpacks every reply before the next step packs into the same buffer.
         """
         out = self._push_buf(shard)
-        self._pack_pieces(out, self.plan.pieces[shard], clip)
+        device = self.staging_device(shard)
+        if device is None:
+            self._pack_pieces(out, self.plan.pieces[shard], clip)
+            return out
+        staged = self._staged_buf(shard, "push", device)
+        self._pack_pieces(staged, self.plan.pieces[shard], clip)
+        out.copy_(staged, non_blocking=True)  # the one device-to-host copy of the shard
+        _wait_for(device)  # the host buffer is complete before it is checked and sent
         return out
 
     def payload(self, shard: int, clip: float, split: bool) -> torch.Tensor | list[torch.Tensor]:
@@ -111,6 +154,9 @@ class FlatLayout:
         its cut, each large gradient as itself (no copy) where it can travel so (:meth:`_in_place`)."""
         if not split:
             return self.pack(shard, clip)
+        if self.staging_device(shard) is not None:  # one copy off the device, then cut
+            flat = self.pack(shard, clip)
+            return [flat[seg.start : seg.end] for seg in self.segments[shard]]
         out = self._push_buf(shard)
         pieces = self.plan.pieces[shard]
         parts = []
@@ -153,6 +199,16 @@ class FlatLayout:
         """Write a reply (``shard``'s params then buffers) into this worker's tensors, but for the pieces
         of the segments at positions ``placed`` of its cut (received in place)."""
         skip = {self.segments[shard][i].piece for i in placed}
+        device = self.staging_device(shard)
+        if device is not None and not skip:
+            staged = self._staged_buf(shard, "reply", device)
+            staged.copy_(flat, non_blocking=True)  # the one host-to-device copy of the shard
+            self._unpack_pieces(shard, staged, skip)
+            _wait_for(device)  # done reading ``flat``: the next reply may be received into it
+            return
+        self._unpack_pieces(shard, flat, skip)
+
+    def _unpack_pieces(self, shard: int, flat: torch.Tensor, skip: set[int | None]) -> None:
         with torch.no_grad():
             for i, p in enumerate(self.plan.pieces[shard]):
                 t = self.tensor(p.index)
@@ -178,3 +234,9 @@ class FlatLayout:
             if b.is_floating_point() and not bool(torch.isfinite(b).all()):
                 return f"buffer {n!r}"
         return "a pushed tensor"
+
+
+def _wait_for(device: torch.device) -> None:
+    """Block until the copies queued on ``device``'s current stream are done (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -189,3 +189,26 @@ def test_least_loaded_ranks_by_utilisation_with_limits(monkeypatch: pytest.Monke
         least_loaded(1, min_free_memory="lots", probe=probe)
     with pytest.raises(ValueError, match="max_utilization"):
         least_loaded(1, max_utilization=120, probe=probe)
+
+
+def test_real_driver_readings() -> None:
+    """On a machine with an NVIDIA driver: every visible GPU is read, with plausible values."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pytest.skip("no NVML driver here (the fake-pynvml tests above cover the mapping and readings)")
+    pynvml.nvmlShutdown()
+    probe = NvmlProbe()
+    try:
+        assert probe.available()
+        n = probe.device_count()
+        assert n >= 1
+        readings = probe.read()
+        for i in range(n):
+            total, used = readings[f"gpu{i}_mem_total"], readings[f"gpu{i}_mem_used"]
+            assert 0 <= used <= total and total > 0
+            assert readings[f"gpu{i}_mem_free"] <= total
+            if f"gpu{i}_util" in readings:
+                assert 0 <= readings[f"gpu{i}_util"] <= 100
+    finally:
+        probe.close()

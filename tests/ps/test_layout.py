@@ -1,0 +1,73 @@
+"""FlatLayout: packing a shard's gradients and buffers, unpacking a reply; through one staged flat buffer
+(the CUDA path, exercised here on the CPU with ``staging=True``) exactly as piece by piece."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ivyplug.ps.layout import FlatLayout
+from ivyplug.ps.sharding import TensorSpec, build_plan
+
+
+def _model(seed: int) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    params = [
+        ("w", torch.nn.Parameter(torch.randn(40, 30, generator=g))),
+        ("big", torch.nn.Parameter(torch.randn(64, 50, generator=g))),  # cut into row blocks across shards
+        ("b", torch.nn.Parameter(torch.randn(30, generator=g))),
+        ("unused", torch.nn.Parameter(torch.randn(7, generator=g))),  # no gradient
+        ("scalar", torch.nn.Parameter(torch.randn((), generator=g))),
+    ]
+    for name, p in params:
+        if name != "unused":
+            p.grad = torch.randn(p.shape, generator=g)
+    buffers = [("mean", torch.randn(30, generator=g)), ("steps", torch.tensor(2**40 + 3))]
+    return params, buffers
+
+
+def _layouts(**kw: Any) -> tuple[FlatLayout, FlatLayout]:
+    (p1, b1), (p2, b2) = _model(0), _model(0)
+    specs = [TensorSpec(n, tuple(t.shape)) for n, t in p1]
+    specs += [TensorSpec(n, tuple(t.shape), kind="buffer", is_float=t.is_floating_point()) for n, t in b1]
+    plan = build_plan(specs, 2, max_shard_bytes=4 * 64 * 20)
+    assert plan.split_tensors()  # the row blocks of "big" are on both shards
+    return FlatLayout(plan, p1, b1, staging=False, **kw), FlatLayout(plan, p2, b2, staging=True, **kw)
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.5])
+def test_a_staged_pack_equals_the_piece_by_piece_pack(clip: float) -> None:
+    plain, staged = _layouts()
+    for s in range(plain.plan.num_shards):
+        assert plain.staging_device(s) is None and staged.staging_device(s) == torch.device("cpu")
+        a, b = plain.pack(s, clip).clone(), staged.pack(s, clip)
+        assert torch.equal(a, b)
+        assert b.data_ptr() == staged.packed(s).data_ptr()  # the shard's reused host buffer
+        parts = staged.payload(s, clip, split=True)  # staged: one copy off the device, then cut
+        assert torch.equal(torch.cat(parts), a)
+
+
+def test_a_staged_unpack_equals_the_piece_by_piece_unpack() -> None:
+    plain, staged = _layouts()
+    g = torch.Generator().manual_seed(5)
+    for s in range(plain.plan.num_shards):
+        reply = torch.randn(plain.plan.shard_numel(s), generator=g)
+        for p in plain.plan.pieces[s]:
+            if not p.is_float:  # integer words: the bits of an int64
+                reply[p.offset : p.offset + p.numel] = torch.tensor([2**41 + s], dtype=torch.int64).view(torch.float32)
+        plain.unpack(s, reply)
+        staged.unpack(s, reply.clone())
+    for (_, a), (_, b) in zip(plain.params + plain.buffers, staged.params + staged.buffers, strict=True):
+        assert torch.equal(a, b)
+    assert int(plain.buffers[1][1]) in (2**41, 2**41 + 1)  # exact: travelled as bits
+
+
+def test_the_default_stages_only_cuda_tensors() -> None:
+    params, buffers = _model(1)
+    specs = [TensorSpec(n, tuple(t.shape)) for n, t in params]
+    specs += [TensorSpec(n, tuple(t.shape), kind="buffer", is_float=t.is_floating_point()) for n, t in buffers]
+    layout = FlatLayout(build_plan(specs, 1), params, buffers)
+    assert layout.staging_device(0) is None
+    assert not layout.host_buffer(10, 0).is_pinned()

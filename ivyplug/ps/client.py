@@ -599,7 +599,7 @@ class PSClient:
                         f"timed out after {self.cfg.timeout:g} s on rank {self.rank} waiting for the other ranks to "
                         f"close the PS ({topo.loop.byes} of {len(topo.loop.expect_bye)} said goodbye)"
                     )
-            channel.flush()
+            channel.flush(replies=True)
             if not isinstance(self.workers, MemberGroup):
                 self.workers.barrier("every rank to close the PS")
             deadline = time.monotonic() + self.cfg.timeout

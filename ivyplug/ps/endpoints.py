@@ -12,6 +12,7 @@ hooks, early_push.py); the ``push_pull`` without data that follows applies it.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -24,7 +25,7 @@ from ivyplug.ps import typed_state
 from ivyplug.ps.messages import Flag, Header, Kind, Status, arg_float, bytes_to_words, words_to_bytes
 from ivyplug.ps.segments import Segment, views
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
-from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError
+from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
 from ivyplug.ps.wire_codec import Bf16Codec
 
 
@@ -147,11 +148,57 @@ class _WireReply:
         what: str,
         into: Targets | None = None,
     ):
-        self._endpoint, self._hbuf, self._works, self._out, self._what = endpoint, hbuf, works, out, what
+        # weak: the endpoint keeps its last reply (to drain it), and a cycle would keep a dropped client's pair
+        # group open until the garbage collector runs (its server would not see it go)
+        self._endpoint_ref = weakref.ref(endpoint)
+        self._hbuf, self._works, self._out, self._what = hbuf, works, out, what
         self._into = into
+        self._header: Header | None = None
+        self._parts: list[Any] | None = None  # a split reply's posted part receives
+        #: the whole reply has been received (or it was an error, which carries nothing more)
+        self.done = False
+
+    @property
+    def _endpoint(self) -> WireEndpoint:
+        ep = self._endpoint_ref()
+        if ep is None:
+            raise PSProtocolError(f"the endpoint of {self._what} is gone (its client was closed)")
+        return ep
 
     def header(self, timeout: float) -> Header:
-        return self._endpoint.finish(self._hbuf, self._works, self._what, timeout)
+        if self._header is None:
+            try:
+                self._header = self._endpoint.finish(self._hbuf, self._works, self._what, timeout)
+            except PSServerError:
+                self.done = True
+                raise
+            self.done = not self._header.flags & Flag.SPLIT
+        return self._header
+
+    def drain(self, timeout: float) -> None:
+        """Receive what is left of this reply into the reply buffer, so that the next request's receives on
+        this stream match the next reply (a step that failed on another shard left this one unread)."""
+        if self.done:
+            return
+        try:
+            self.header(timeout)
+        except PSServerError:
+            return
+        if not self.done:
+            self._receive_parts(None, timeout)
+
+    def _receive_parts(self, into: Targets | None, timeout: float) -> None:
+        ep = self._endpoint
+        assert ep.segments is not None and self._out is not None
+        if self._parts is None:
+            into = into if into is not None else [None] * len(ep.segments)
+            parts = [v if t is None else t for t, v in zip(into, views(self._out, ep.segments), strict=True)]
+            self._parts = ep.channel.post_reply_parts(ep.dst, parts, ep.shard + 1)
+        t0 = time.monotonic()
+        for w in self._parts:
+            wait_work(w, timeout, f"rank {ep.dst}'s reply to {self._what}")
+        ep._stats.wait_seconds += time.monotonic() - t0
+        self.done = True
 
     def payload(self, timeout: float) -> tuple[Header, torch.Tensor | None]:
         """The reply's header and fp32 payload (for requests whose payload is not a shard snapshot)."""
@@ -166,13 +213,8 @@ class _WireReply:
             return Reply(codec.decode(self._out, ep.decoded()), h.arg1, h.arg0, h.arg2, arg_float(h.arg3))
         placed: tuple[int, ...] = ()
         if h.flags & Flag.SPLIT:  # its parts follow the OK header, some straight into the worker's tensors
-            assert ep.segments is not None
-            into = self._into if self._into is not None else [None] * len(ep.segments)
-            parts = [v if t is None else t for t, v in zip(into, views(self._out, ep.segments), strict=True)]
-            t0 = time.monotonic()
-            ep.channel.recv_reply_parts(ep.dst, parts, ep.shard + 1, f"rank {ep.dst}'s reply to {self._what}", timeout)
-            ep._stats.wait_seconds += time.monotonic() - t0
-            placed = tuple(i for i, t in enumerate(into) if t is not None)
+            self._receive_parts(self._into, timeout)
+            placed = tuple(i for i, t in enumerate(self._into or []) if t is not None)
         return Reply(self._out, h.arg1, h.arg0, h.arg2, arg_float(h.arg3), placed)
 
 
@@ -187,6 +229,7 @@ class WireEndpoint:
         self._stats = stats if stats is not None else WireStats()
         self._reply_buf: torch.Tensor | None = None  # reused: a reply is unpacked before the next request
         self._decoded: torch.Tensor | None = None
+        self._open: _WireReply | None = None  # the last reply asked for, until it is received whole
         self._seq = 0
         #: set (PSConfig.wire_dtype="bfloat16"): pushes and pulls travel as bf16 (wire_codec.py)
         self.bf16: Bf16Codec | None = None
@@ -212,6 +255,8 @@ class WireEndpoint:
         into: Targets | None = None,
         **args: int,
     ) -> _WireReply:
+        if self._open is not None:  # the last reply on this stream, left unread by a step that failed elsewhere
+            self._open.drain(self.channel.timeout)
         self._seq += 1
         split = False
         if kind in (Kind.PUSH_PULL, Kind.PULL):
@@ -237,7 +282,8 @@ class WireEndpoint:
         hbuf, works = self.channel.post_reply(self.dst, out, self.shard + 1, split=split)
         h = Header(kind=kind, sender=self.channel.rank, shard=self.shard, seq=self._seq, **args)
         self._stats.bytes_sent += self.channel.send(self.dst, h, data, hyper, wait=False)
-        return _WireReply(self, hbuf, works, out, what or f"a kind-{kind} request for shard {self.shard}", into)
+        self._open = _WireReply(self, hbuf, works, out, what or f"a kind-{kind} request for shard {self.shard}", into)
+        return self._open
 
     def finish(self, hbuf: torch.Tensor, works: list[Any], what: str, timeout: float) -> Header:
         t0 = time.monotonic()

@@ -42,20 +42,22 @@ class Segment:
 
 
 def wire_segments(pieces: Sequence[Piece]) -> list[Segment]:
-    """The cut of a shard whose pieces (in flat-vector order) are ``pieces``; empty for an empty shard."""
+    """The cut of a shard whose pieces (in flat-vector order) are ``pieces``; no segment is empty (a message of
+    no bytes is never sent, so it must never be awaited either), so an empty shard has none."""
     out: list[Segment] = []
     run: int | None = None  # start of the current run of small pieces
     for i, p in enumerate(pieces):
         if p.kind == "param" and p.is_float and p.numel >= DIRECT_MIN:
-            if run is not None:
+            if run is not None and p.offset > run:
                 out.append(Segment(run, p.offset))
-                run = None
+            run = None
             out.append(Segment(p.offset, p.offset + p.numel, i))
         elif run is None:
             run = p.offset
     if run is not None and pieces:
         last = pieces[-1]
-        out.append(Segment(run, last.offset + last.numel))
+        if last.offset + last.numel > run:
+            out.append(Segment(run, last.offset + last.numel))
     return out
 
 

@@ -404,7 +404,7 @@ class PSService:
                 self._leave(slot, None)
             slot = None
             with contextlib.suppress(PSProtocolError):
-                channel.flush()
+                channel.flush(replies=True)
         except Exception as exc:  # a member's failure never ends the service
             self.log(f"ivyplug serve: member {member} ended: {type(exc).__name__}: {exc}")
             if slot is not None:
@@ -427,7 +427,7 @@ class PSService:
             reply = Header(kind=Kind.REPLY, sender=0, seq=h.seq, status=Status.ERROR, arg3=len(text))
             channel.send(1, reply, reply=True)
             channel.send_error_text(1, text)
-            channel.flush()
+            channel.flush(replies=True)
             with self._lock:
                 self.refused += 1
             self.log(f"ivyplug serve: refused member {member}: {exc}")

@@ -88,6 +88,9 @@ class Channel:
         self.timeout = timeout
         self._send_lock = threading.Lock()
         self._pending: deque[tuple[Any, tuple[torch.Tensor, ...], str]] = deque()
+        # a server's replies: their parts leave only once the worker posts its receives (after the reply's
+        # header), so nothing here ever blocks on them; kept alive until done, at most one per worker and shard
+        self._replies: deque[tuple[Any, tuple[torch.Tensor, ...]]] = deque()
 
     # -- sending -------------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> Any:
@@ -139,13 +142,22 @@ class Channel:
                 works.append(self._isend(hyper, dst, TAG_REQUEST_HYPER, what))
             if not wait:
                 for w in works:
-                    self._pending.append((w, tuple(tensors), f"kind {header.kind} to rank {dst}"))
+                    if reply:
+                        self._replies.append((w, tuple(tensors)))
+                    else:
+                        self._pending.append((w, tuple(tensors), f"kind {header.kind} to rank {dst}"))
+                self._drop_sent_replies()
         if wait:
             for w in works:
                 wait_work(w, self.timeout, f"rank {dst} to accept a message (kind {header.kind})")
-        else:
+        elif not reply:
             self._prune()
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _drop_sent_replies(self) -> None:
+        """Forget the replies that have left (call with the send lock held); never waits."""
+        while self._replies and self._replies[0][0].is_completed():
+            self._replies.popleft()
 
     def _prune(self, limit: int = 16) -> None:
         """Bound the sends kept alive (each holds its tensors): wait for the oldest beyond ``limit``."""
@@ -156,14 +168,21 @@ class Channel:
                 w, _, what = self._pending.popleft()
             wait_work(w, self.timeout, f"a peer to accept a message ({what})")
 
-    def flush(self) -> None:
-        """Wait for every send started with ``wait=False``."""
+    def flush(self, replies: bool = False) -> None:
+        """Wait for every request sent with ``wait=False``; with ``replies``, also for the replies a server of
+        this process sent (before it drops a peer or closes: its last answers must have left)."""
         while True:
             with self._send_lock:
                 if not self._pending:
-                    return
+                    break
                 w, _, what = self._pending.popleft()
             wait_work(w, self.timeout, f"a peer to accept a message ({what})")
+        while replies:
+            with self._send_lock:
+                if not self._replies:
+                    return
+                w, _ = self._replies.popleft()
+            wait_work(w, self.timeout, "a peer to accept a reply")
 
     # -- receiving -----------------------------------------------------------------------------
     def recv_request_header(self, src: int | None = None, timeout: float | None = None) -> Header:
@@ -204,7 +223,8 @@ class Channel:
                         f"rank {header.sender} announced a split payload of {header.numel} values; its shard's "
                         f"segments hold {sum(s.numel for s in segments)}"
                     )
-                works += [self._irecv(v, header.sender, TAG_REQUEST_DATA, what) for v in views(data, segments)]
+                parts = [v for v in views(data, segments) if v.numel() > 0]  # (the sender skips empty ones too)
+                works += [self._irecv(v, header.sender, TAG_REQUEST_DATA, what) for v in parts]
         if header.n_hyper > 0:
             hyper = torch.empty(header.n_hyper, dtype=torch.float64)
             works.append(self._irecv(hyper, header.sender, TAG_REQUEST_HYPER, what))
@@ -218,8 +238,8 @@ class Channel:
             words = bytes_to_words(text)
             with self._send_lock:
                 work = self._isend(words, dst, reply_tag(TAG_REPLY_TEXT, stream), "an error text")
-                self._pending.append((work, (words,), f"an error text to rank {dst}"))
-            self._prune()
+                self._replies.append((work, (words,)))
+                self._drop_sent_replies()
 
     def recv_error_text(self, src: int, nbytes: int, stream: int = 0) -> str:
         """Receive the text of an error reply from ``src`` (empty when the header announced none)."""
@@ -244,11 +264,9 @@ class Channel:
             works.append(self._irecv(data, src, reply_tag(TAG_REPLY_DATA, stream), "a reply"))
         return h, works
 
-    def recv_reply_parts(self, src: int, parts: Sequence[torch.Tensor], stream: int, what: str, timeout: float) -> None:
-        """Receive a split reply's payload from ``src``: one message into each of ``parts``, in order."""
-        works = [self._irecv(t, src, reply_tag(TAG_REPLY_DATA, stream), "a reply") for t in parts if t.numel() > 0]
-        for w in works:
-            wait_work(w, timeout, what)
+    def post_reply_parts(self, src: int, parts: Sequence[torch.Tensor], stream: int) -> list[Any]:
+        """Post the receives of a split reply's payload from ``src``: one message into each of ``parts``."""
+        return [self._irecv(t, src, reply_tag(TAG_REPLY_DATA, stream), "a reply") for t in parts if t.numel() > 0]
 
     def wait_reply(self, h: torch.Tensor, works: list[Any], what: str, timeout: float | None = None) -> Header:
         """Wait for the reply header, then its payload; an error reply without payload returns at once

@@ -200,9 +200,10 @@ def test_real_driver_readings() -> None:
     pynvml.nvmlShutdown()
     probe = NvmlProbe()
     try:
-        assert probe.available()
         n = probe.device_count()
-        assert n >= 1
+        if n == 0:
+            pytest.skip("NVML sees no GPU this process may use (CUDA_VISIBLE_DEVICES)")
+        assert probe.available()
         readings = probe.read()
         for i in range(n):
             total, used = readings[f"gpu{i}_mem_total"], readings[f"gpu{i}_mem_used"]

@@ -62,6 +62,7 @@ def fit(rank: int, split: bool, turns: bool = False, nan_at: int | None = None, 
     client.pull_initial()
     dist.barrier()  # every worker's initial pull before the first push
     placed = 0
+    bumped = False
     pointers = [p.data_ptr() for p in model.parameters()]
     try:
         for step in range(STEPS):
@@ -73,6 +74,11 @@ def fit(rank: int, split: bool, turns: bool = False, nan_at: int | None = None, 
                 model.hidden.weight.grad = g.t().contiguous().t()
             if nan_at == step and rank == 1:
                 model.wide.weight.grad[5, 7] = math.nan
+            if step == 3:  # a pull left unread (as by a step that failed on another shard): the next step must
+                for ep in wires:  # first take in the rest of it, or its receives would get this reply's parts
+                    ep.pull(client.rank).header(60.0)  # answered (seen by the server), its parts left unread
+                dist.barrier()  # both pulls answered before any push of this step (async: the same staleness)
+            version = model.hidden.weight._version
             if split and step == 2:  # sentinels: only what is packed or unpacked overwrites them
                 for ep in wires:
                     client.layout._push_bufs[ep.shard].fill_(math.nan)
@@ -83,6 +89,7 @@ def fit(rank: int, split: bool, turns: bool = False, nan_at: int | None = None, 
                     client.step(SIZES[rank])
                 if turns:
                     dist.barrier()
+            bumped = model.hidden.weight._version > version  # autograd sees the parameter change, even in place
             if split and step == 2:
                 for ep in wires:
                     assert ep.segments is not None
@@ -98,6 +105,7 @@ def fit(rank: int, split: bool, turns: bool = False, nan_at: int | None = None, 
             "buffers": [b.detach().clone() for b in model.buffers()],
             "pointers_kept": pointers == [p.data_ptr() for p in model.parameters()],
             "placed": placed,
+            "version_bumped": bumped,
             "direct": sum(seg.piece is not None for ep in wires for seg in ep.segments or []),
             "wire_shards": len(wires),
             **client.metrics(),
@@ -105,6 +113,49 @@ def fit(rank: int, split: bool, turns: bool = False, nan_at: int | None = None, 
     finally:
         client.close()
     return out
+
+
+class Deep(torch.nn.Module):
+    """20 layers of 16x16: with the threshold lowered to 256 elements, every weight is a segment of its own and
+    every bias a run between two of them, so each shard travels in about 20 messages."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(16, 16)
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(19)])
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        return self.layers(torch.tanh(self.inp(x)))[:, :3]
+
+
+def many_segments(rank: int, split: bool) -> dict[str, Any]:
+    """More segments per shard than a channel keeps sends before it waits for the oldest (16): a server's reply
+    parts leave only once their worker posts its receives, so no send may wait for them."""
+    from ivyplug.ps import segments
+
+    saved, segments.DIRECT_MIN = segments.DIRECT_MIN, 256
+    try:
+        model = Deep(seed=rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        client = PSClient.start(PSConfig(mode="sync", timeout=60.0), list(model.named_parameters()), [], opt)
+        if not split:
+            for ep in client.topo.endpoints.values():
+                ep.segments = None
+        cuts = [len(ep.segments or []) for ep in client.topo.endpoints.values() if isinstance(ep, WireEndpoint)]
+        client.pull_initial()
+        try:
+            for step in range(STEPS):
+                model.zero_grad()
+                x, y = _batch(step, rank)
+                torch.nn.functional.mse_loss(model(x, False), y).backward()
+                client.step(SIZES[rank])
+            client.sync()
+            return {"params": [p.detach().clone() for p in model.parameters()], "cuts": cuts}
+        finally:
+            client.close()
+    finally:
+        segments.DIRECT_MIN = saved
 
 
 def session(rank: int, world: int) -> dict[str, Any]:
@@ -115,4 +166,8 @@ def session(rank: int, world: int) -> dict[str, Any]:
         "dedicated": {"mode": "sync", "num_servers": 1},
         "nan": {"mode": "sync", "nan_at": 1},
     }
-    return {name: {split: fit(rank, split, **case) for split in (True, False)} for name, case in cases.items()}
+    out: dict[str, Any] = {
+        name: {split: fit(rank, split, **case) for split in (True, False)} for name, case in cases.items()
+    }
+    out["many"] = {split: many_segments(rank, split) for split in (True, False)}
+    return out

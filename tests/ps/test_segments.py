@@ -96,6 +96,7 @@ def test_cut_and_whole_payloads_train_bit_for_bit_alike(runs: list[dict[str, Any
             assert torch.equal(a, b)
             assert not a.is_floating_point() or bool(torch.isfinite(a).all())
         assert cut["pointers_kept"] and whole["pointers_kept"]  # received into the parameters themselves
+        assert cut["version_bumped"] and whole["version_bumped"]
         assert cut["pushes"] == whole["pushes"] == segments_scenarios.STEPS
 
 
@@ -116,3 +117,25 @@ def test_a_nan_in_a_gradient_sent_in_place_drops_the_whole_push(runs: list[dict[
     assert all(not math.isnan(float(p.abs().max())) for p in nan_free)
     # the dropped push changed the fit: it differs from the one without the NaN
     assert not all(torch.equal(a, b) for a, b in zip(nan_free, runs[0]["sync"][True]["params"], strict=True))
+
+
+def test_many_segments_per_shard_do_not_wait_on_each_other(runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        cut, whole = r["many"][True], r["many"][False]
+        assert min(cut["cuts"]) > 16 and whole["cuts"] == [0]
+        for a, b in zip(cut["params"], whole["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_empty_pieces_make_no_empty_segment() -> None:
+    """A message of no bytes is never sent, so no segment may be empty (its receive would take the next one)."""
+    specs = [
+        TensorSpec("big", (DIRECT_MIN,)),
+        TensorSpec("nothing", (0, 4)),
+        TensorSpec("big2", (DIRECT_MIN,)),
+        TensorSpec("none", (0,), kind="buffer"),
+    ]
+    pieces = _plan(specs, max_shard_bytes=None).pieces[0]
+    segments = wire_segments(pieces)
+    assert [s.piece is not None for s in segments] == [True, True]
+    _covers(segments, 2 * DIRECT_MIN)

@@ -35,7 +35,7 @@ from ivyplug.ps.messages import BatchAsk, Header, Kind
 from ivyplug.ps.mirror import OptimizerSpec, is_elementwise
 from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in, nonfinite_in_parts
 from ivyplug.ps.shard import Shard, load_state_bytes
-from ivyplug.ps.sharding import ShardPlan, TensorSpec, auto_max_shard_bytes, build_plan
+from ivyplug.ps.sharding import ShardPlan, auto_max_shard_bytes, build_plan, tensor_specs
 from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
 from ivyplug.ps.wire_codec import BF16_OVERFLOW, Bf16Codec
 from ivyplug.ps.worker_group import WorkerGroup
@@ -149,8 +149,7 @@ class PSClient:
                     f"staleness_scaling='inverse' scales the servers' learning rate per push, but param group(s) "
                     f"{missing} of {type(optimizer).__name__} have no 'lr'; use staleness_scaling='none'"
                 )
-        specs = [TensorSpec(n, tuple(p.shape), "param", True) for n, p in named_params]
-        specs += [TensorSpec(n, tuple(b.shape), "buffer", b.is_floating_point()) for n, b in named_buffers]
+        specs = tensor_specs(named_params, named_buffers)
         link = service_link.connect(cfg) if cfg.servers is not None else None
         num_shards = link.num_shards if link is not None else (cfg.num_servers if cfg.num_servers > 0 else world_size)
         if cfg.max_shard_bytes == "auto":  # resolved here, so dedicated servers receive a plain number
@@ -382,8 +381,7 @@ class PSClient:
         def found(s: int, data: torch.Tensor | list[torch.Tensor], below: float | None) -> bool:
             if isinstance(data, torch.Tensor):
                 return nonfinite_in(data, ranges[s], below) is not None
-            starts = [seg.start for seg in self.layout.segments[s]]
-            return nonfinite_in_parts(data, starts, ranges[s], below) is not None
+            return nonfinite_in_parts(data, self.layout.segment_starts[s], ranges[s], below) is not None
 
         if not any(found(s, data, below) for s, data in packed.items()):
             return 0

@@ -262,7 +262,7 @@ class WireEndpoint:
         if kind in (Kind.PUSH_PULL, Kind.PULL):
             if self._reply_buf is None:
                 words = self.bf16.words if self.bf16 is not None else self.numel
-                self._reply_buf = self.host_buffer(words) if self.bf16 is None else torch.empty(words)
+                self._reply_buf = self.host_buffer(words)
             out: torch.Tensor | None = self._reply_buf
             if self.bf16 is not None:
                 args["flags"] = Flag.BF16

@@ -50,6 +50,7 @@ class FlatLayout:
         self.float_ranges = [plan.float_ranges(s) for s in range(plan.num_shards)]
         #: per shard, the cut its payloads travel in over an fp32 wire (segments.py), and each segment's pieces
         self.segments = [wire_segments(plan.pieces[s]) for s in range(plan.num_shards)]
+        self.segment_starts = [[seg.start for seg in segs] for segs in self.segments]
         self._segment_pieces = [
             [[p for p in plan.pieces[s] if seg.start <= p.offset < seg.end] for seg in self.segments[s]]
             for s in range(plan.num_shards)
@@ -152,11 +153,8 @@ class FlatLayout:
     def payload(self, shard: int, clip: float, split: bool) -> torch.Tensor | list[torch.Tensor]:
         """What a push sends for ``shard``: :meth:`pack`'s buffer, or (``split``) one tensor per segment of
         its cut, each large gradient as itself (no copy) where it can travel so (:meth:`_in_place`)."""
-        if not split:
+        if not split or self.staging_device(shard) is not None:  # staged: one copy off the device (the endpoint cuts)
             return self.pack(shard, clip)
-        if self.staging_device(shard) is not None:  # one copy off the device, then cut
-            flat = self.pack(shard, clip)
-            return [flat[seg.start : seg.end] for seg in self.segments[shard]]
         out = self._push_buf(shard)
         pieces = self.plan.pieces[shard]
         parts = []

@@ -25,6 +25,7 @@ import heapq
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Bytes per element of what the servers hold (fp32 master copies).
 MASTER_ITEMSIZE = 4
@@ -76,6 +77,12 @@ class Piece:
     @property
     def nbytes(self) -> int:
         return self.numel * MASTER_ITEMSIZE
+
+
+def tensor_specs(params: Sequence[tuple[str, Any]], buffers: Sequence[tuple[str, Any]] = ()) -> list[TensorSpec]:
+    """The specs of named parameters and buffers (torch tensors; integer buffers follow the max rule)."""
+    specs = [TensorSpec(n, tuple(p.shape), "param", True) for n, p in params]
+    return specs + [TensorSpec(n, tuple(b.shape), "buffer", b.is_floating_point()) for n, b in buffers]
 
 
 @dataclass

@@ -207,7 +207,8 @@ class Channel:
         ``into``: a buffer for the fp32 payload when its size matches (reused: a fresh multi-MB tensor per
         push costs a page fault per 4 KiB on first touch, about as much as the receive's own copy).
         ``segments``: the payload travels cut so (``Flag.SPLIT``), one message per segment, each received
-        into its part of the buffer."""
+        into its part of the buffer (they partition ``header.numel``: ``ServerLoop._segments`` cuts only a
+        payload of its shard's size, and a cut has no empty segment)."""
         data = hyper = None
         works = []
         what = f"the payload of a kind-{header.kind}"
@@ -218,13 +219,7 @@ class Channel:
             if segments is None:
                 works.append(self._irecv(data, header.sender, TAG_REQUEST_DATA, what))
             else:
-                if sum(s.numel for s in segments) != header.numel:
-                    raise PSProtocolError(
-                        f"rank {header.sender} announced a split payload of {header.numel} values; its shard's "
-                        f"segments hold {sum(s.numel for s in segments)}"
-                    )
-                parts = [v for v in views(data, segments) if v.numel() > 0]  # (the sender skips empty ones too)
-                works += [self._irecv(v, header.sender, TAG_REQUEST_DATA, what) for v in parts]
+                works += [self._irecv(v, header.sender, TAG_REQUEST_DATA, what) for v in views(data, segments)]
         if header.n_hyper > 0:
             hyper = torch.empty(header.n_hyper, dtype=torch.float64)
             works.append(self._irecv(hyper, header.sender, TAG_REQUEST_HYPER, what))
@@ -266,7 +261,7 @@ class Channel:
 
     def post_reply_parts(self, src: int, parts: Sequence[torch.Tensor], stream: int) -> list[Any]:
         """Post the receives of a split reply's payload from ``src``: one message into each of ``parts``."""
-        return [self._irecv(t, src, reply_tag(TAG_REPLY_DATA, stream), "a reply") for t in parts if t.numel() > 0]
+        return [self._irecv(t, src, reply_tag(TAG_REPLY_DATA, stream), "a reply") for t in parts]
 
     def wait_reply(self, h: torch.Tensor, works: list[Any], what: str, timeout: float | None = None) -> Header:
         """Wait for the reply header, then its payload; an error reply without payload returns at once

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ivyplug.ps import PSClient, PSConfig
 from ivyplug.ps.endpoints import WireEndpoint
 from ivyplug.ps.layout import FlatLayout
-from ivyplug.ps.sharding import TensorSpec, build_plan
+from ivyplug.ps.sharding import build_plan, tensor_specs
 from tests.ps.scenarios import batch, mlp
 
 SIZES = [3, 5]
@@ -27,11 +27,7 @@ def staged_layout() -> dict[str, Any]:
     for p, q in zip(model.parameters(), gpu.parameters(), strict=True):
         q.grad = p.grad.cuda()
     gpu.load_state_dict(model.state_dict())
-    specs = [TensorSpec(n, tuple(t.shape)) for n, t in model.named_parameters()]
-    specs += [
-        TensorSpec(n, tuple(t.shape), kind="buffer", is_float=t.is_floating_point()) for n, t in model.named_buffers()
-    ]
-    plan = build_plan(specs, 2)
+    plan = build_plan(tensor_specs(list(model.named_parameters()), list(model.named_buffers())), 2)
     cpu_layout = FlatLayout(plan, list(model.named_parameters()), list(model.named_buffers()))
     gpu_layout = FlatLayout(plan, list(gpu.named_parameters()), list(gpu.named_buffers()))
     out: dict[str, Any] = {"device": gpu_layout.staging_device(0).type if gpu_layout.staging_device(0) else None}

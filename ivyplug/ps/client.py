@@ -235,7 +235,10 @@ class PSClient:
             r = reply.result(self.cfg.timeout)
             staleness.append(r.staleness)
             grad_sq += r.grad_sq
-            self.layout.unpack(s, r.snapshot, r.placed)
+            try:
+                self.layout.unpack(s, r.snapshot, r.placed)
+            finally:
+                r.release()  # a co-located shard lent its state: it may write it again
         self._flush_sends()
         return staleness, grad_sq
 

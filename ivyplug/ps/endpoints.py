@@ -308,7 +308,12 @@ class WireEndpoint:
 
     # -- the shard interface ------------------------------------------------------------------------
     def push_data(self, worker: int, data: torch.Tensor) -> None:
-        """Send a push's data without waiting (kept alive until the channel's flush)."""
+        """Send a push's data without waiting (kept alive until the channel's flush).
+
+        Like every request on this stream, only once the last reply is read whole: the server takes this
+        request as the sign that the reply's sends are done (a failed pull may have left one unread)."""
+        if self._open is not None:
+            self._open.drain(self.channel.timeout)
         flags = 0
         if self.bf16 is not None:
             flags, data = Flag.BF16, self.bf16.encode(data)

@@ -32,7 +32,7 @@ from ivyplug.ps.messages import (
 )
 from ivyplug.ps.segments import Segment, views
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
-from ivyplug.ps.transport import Channel, PSProtocolError
+from ivyplug.ps.transport import Channel, PSProtocolError, Releasable
 
 _WANTS_REPLY = (
     Kind.PUSH_PULL,
@@ -45,6 +45,9 @@ _WANTS_REPLY = (
     Kind.GATHER,
     Kind.GATHER_FETCH,
 )
+#: requests a worker sends on a shard's endpoint only once it has read that endpoint's last reply: their
+#: arrival frees what that reply kept (Channel.reap), a shard's lent state among it
+_REAPS = (Kind.PUSH_PULL, Kind.PUSH_DATA, Kind.PULL, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
 _NEEDS_SHARD = (Kind.PUSH_PULL, Kind.PUSH_DATA, Kind.PULL, Kind.NORM, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
 #: kinds whose fp32 payload is a push's data (received into the sender's reused buffer for that shard)
 _PUSHES = (Kind.PUSH_PULL, Kind.PUSH_DATA)
@@ -123,11 +126,17 @@ class ServerLoop(threading.Thread):
         return Flag.STOP if self.stop.is_set() else 0
 
     def _reply(
-        self, to: int, request: Header, data: torch.Tensor | list[torch.Tensor] | None = None, **args: int
+        self,
+        to: int,
+        request: Header,
+        data: torch.Tensor | list[torch.Tensor] | None = None,
+        keep: Releasable | None = None,
+        **args: int,
     ) -> None:
+        """Send an OK reply; ``keep`` (a shard state's loan) stays alive until its sends are done."""
         flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT))
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
-        sent = self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1)
+        sent = self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1, keep=keep)
         if self.traffic is not None:
             self.traffic.count(0, 0, sent)
 
@@ -173,6 +182,10 @@ class ServerLoop(threading.Thread):
                 if self.member is not None:
                     header.sender = 1  # the pair's other rank, whatever its header says
                     refusal = self._check_sizes(header)
+                if header.kind in _REAPS and header.shard in self.shards:  # it has read its last reply there
+                    failed = self.channel.reap(header.sender, header.shard + 1)
+                    if failed is not None:
+                        print(f"[ivyplug.ps] {self._who(header)}: {failed}", file=sys.stderr, flush=True)
                 key = (header.sender, header.shard)
                 into = self._push_bufs.get(key) if header.kind in _PUSHES else None
                 data, hyper = self.channel.recv_request_payload(header, into, self._segments(header))
@@ -300,12 +313,22 @@ class ServerLoop(threading.Thread):
             r = fut.result()
             target = self.shards[request.shard]
             snapshot: torch.Tensor | list[torch.Tensor] = r.snapshot
+            loan = r.loan  # the shard's state, lent: kept until the reply's sends are done
             if request.flags & Flag.BF16:
                 snapshot = target.bf16.encode(r.snapshot)
+                r.release()  # the encoded copy is what travels
+                loan = None
             elif request.flags & Flag.SPLIT:
                 snapshot = views(r.snapshot, target.segments)
             self._reply(
-                to, request, snapshot, arg0=r.staleness, arg1=r.version, arg2=r.clock, arg3=float_arg(r.grad_sq)
+                to,
+                request,
+                snapshot,
+                keep=loan,
+                arg0=r.staleness,
+                arg1=r.version,
+                arg2=r.clock,
+                arg3=float_arg(r.grad_sq),
             )
         except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
             self._unanswered(to, send_exc)

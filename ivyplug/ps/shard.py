@@ -45,6 +45,7 @@ import torch
 
 from ivyplug.ps import typed_state
 from ivyplug.ps.config import PSConfig
+from ivyplug.ps.lent_state import LentState, Loan
 from ivyplug.ps.mirror import OptimizerSpec
 from ivyplug.ps.push import HYPER_PREFIX, PushFlag, decode_mask, mask_words, nonfinite_in, squared_norm
 from ivyplug.ps.segments import wire_segments
@@ -82,8 +83,8 @@ def int_words(words: torch.Tensor) -> torch.Tensor:
 class Reply(NamedTuple):
     """A shard's answer to a push or pull: its params then buffers (flat fp32) and where it stands.
 
-    ``snapshot`` is a buffer the shard keeps per worker and rewrites at that worker's next request: read
-    it (unpack or send it) before asking the same shard again.
+    ``snapshot`` is the shard's state at ``version``, lent (not copied): it stays unchanged until
+    :meth:`release` (the shard's later steps write another buffer meanwhile); release it once read.
     """
 
     snapshot: torch.Tensor
@@ -97,6 +98,13 @@ class Reply(NamedTuple):
     #: positions (in the shard's wire segments) of the parts the worker received straight into its tensors:
     #: ``snapshot`` does not hold them (segments.py)
     placed: tuple[int, ...] = ()
+    #: the shard's hold on ``snapshot`` (a view of its state, lent_state.py): :meth:`release` once it is read
+    loan: Loan | None = None
+
+    def release(self) -> None:
+        """Done reading ``snapshot``: the shard may write that buffer again."""
+        if self.loan is not None:
+            self.loan.release()
 
 
 class PushRefused(PSProtocolError):
@@ -137,18 +145,21 @@ class Shard:
         self.n_total = plan.shard_numel(shard)
         if init_flat.numel() != self.n_total:
             raise ValueError(f"shard {shard}: initial values have {init_flat.numel()} elements, need {self.n_total}")
+        # params then buffers, flat: the masters and ``buffers`` are views of it, replies lend it (lent_state.py)
+        self.flat = LentState(init_flat.to(torch.float32, copy=True).contiguous())
+        self._shapes = [piece_shape(plan.specs[p.index].shape, p) for p in self.param_pieces]
+        flat = self.flat.data
         self.masters: list[torch.Tensor] = []
         by_group: dict[int, list[torch.Tensor]] = {}
         self.piece_group: list[int] = []
-        for p in self.param_pieces:
-            shape = piece_shape(plan.specs[p.index].shape, p)
-            m = init_flat[p.offset : p.offset + p.numel].to(torch.float32).clone().view(shape).requires_grad_(True)
+        for p, shape in zip(self.param_pieces, self._shapes, strict=True):
+            m = flat[p.offset : p.offset + p.numel].view(shape).detach().requires_grad_(True)
             self.masters.append(m)
             g = spec.param_group[p.index]
             self.piece_group.append(g)
             by_group.setdefault(g, []).append(m)
         self.optimizer, self.groups = spec.build(by_group)
-        self.buffers = init_flat[self.n_param :].to(torch.float32).clone()
+        self.buffers = flat[self.n_param :]
         # integer buffers' int64 bits, as word ranges of self.buffers (never touched by float arithmetic)
         self._int_ranges = [
             (p.offset - self.n_param, p.offset - self.n_param + p.numel) for p in self.buffer_pieces if not p.is_float
@@ -173,7 +184,6 @@ class Shard:
         self._norms: dict[int, dict[int, float]] = {}
         self._grad_sq = math.nan  # the last sync step's combined-gradient squared norm (Reply.grad_sq)
         self._parked: list[tuple[int, int, Future[Reply]]] = []  # (worker, staleness, reply) not yet ready
-        self._snapshot_bufs: dict[int, torch.Tensor] = {}
         # filled under the lock, emptied after it is released (_flush): replies ready, norms to send
         self._ready: list[tuple[Future[Reply], Reply]] = []
         self._failed: list[Future[Reply]] = []
@@ -321,6 +331,7 @@ class Shard:
         (and their state) alone. ``lr_scale`` multiplies every group's learning rate for this step only.
         """
         if self.optimizer is not None:
+            self._writable()
             for m, p, g in zip(self.masters, self.param_pieces, self.piece_group, strict=True):
                 has = g >= 0 and has_grad[p.index]
                 m.grad = grads[p.offset : p.offset + p.numel].view(m.shape) if has else None
@@ -403,6 +414,7 @@ class Shard:
     def _merge_buffers_async(self, bufs: torch.Tensor) -> None:
         if bufs.numel() == 0:
             return
+        self._writable()
         if self.num_workers == 1:
             self.buffers.copy_(bufs)
             return
@@ -472,6 +484,7 @@ class Shard:
         self._apply_hyper(hyper)
         self._step(grads, has_grad)
         if bufs.numel():
+            self._writable()
             self.buffers.copy_(bufs)
         self._release()
 
@@ -490,20 +503,19 @@ class Shard:
         return True
 
     def _snapshot(self, worker: int, staleness: int) -> Reply:
-        """Flat fp32 copy of params then buffers; marks what ``worker`` has seen (for staleness).
-
-        The copy goes into a buffer kept per worker (no page faults from a fresh multi-MB tensor per reply).
-        Reuse is safe: a worker has at most one request open per shard and reads the whole reply before
-        it sends the next, so the previous reply to it has left this buffer.
-        """
-        out = self._snapshot_bufs.get(worker)
-        if out is None:
-            out = self._snapshot_bufs[worker] = torch.empty(self.n_total, dtype=torch.float32)
-        for m, p in zip(self.masters, self.param_pieces, strict=True):
-            out[p.offset : p.offset + p.numel].copy_(m.detach().reshape(-1))
-        out[self.n_param :].copy_(self.buffers)
+        """The state (params then buffers, flat fp32) lent to the reply; marks what ``worker`` has seen."""
+        data, loan = self.flat.lend()
         self.seen[worker] = self.version
-        return Reply(out, self.version, staleness, self.clock[worker], self._grad_sq)
+        return Reply(data, self.version, staleness, self.clock[worker], self._grad_sq, loan=loan)
+
+    def _writable(self) -> None:
+        """Call before every write of masters or buffers: a state lent to a reply moves to a free buffer."""
+        if not self.flat.writable():
+            return
+        flat = self.flat.data
+        for m, p, shape in zip(self.masters, self.param_pieces, self._shapes, strict=True):
+            m.data = flat[p.offset : p.offset + p.numel].view(shape)
+        self.buffers = flat[self.n_param :]
 
     def _release(self) -> None:
         """Move the pending replies the mode now allows to ``_ready`` (snapshots taken under the lock)."""
@@ -571,7 +583,9 @@ class Shard:
                     raise ValueError(
                         f"shard {self.shard}: checkpoint tensor shape {tuple(t.shape)} != {tuple(m.shape)}"
                     )
-                with torch.no_grad():
+            self._writable()
+            with torch.no_grad():
+                for m, t in zip(self.masters, state["params"], strict=True):
                     m.copy_(t)
             self.buffers.copy_(state["buffers"])
             if self.optimizer is not None and state["optimizer"] is not None:

@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +32,22 @@ from ivyplug.ps.segments import Segment, views
 
 #: how long a server may sit idle between requests (an any-source receive must never time out, see above)
 IDLE_WAIT = timedelta(days=7)
+
+
+#: replies kept per (worker, stream) before the oldest is waited for (see Channel.send)
+_KEEP_REPLIES = 64
+
+
+class Releasable(Protocol):
+    """What a reply may keep until it is read (a shard's loan of the state it is a view of)."""
+
+    def release(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
+#: a server's reply kept until its worker's next request: its send works, its tensors, what it keeps
+_KeptReply = tuple[list[Any], tuple[torch.Tensor, ...], Releasable | None]
 
 
 class PSTimeoutError(TimeoutError):
@@ -88,9 +104,12 @@ class Channel:
         self.timeout = timeout
         self._send_lock = threading.Lock()
         self._pending: deque[tuple[Any, tuple[torch.Tensor, ...], str]] = deque()
-        # a server's replies: their parts leave only once the worker posts its receives (after the reply's
-        # header), so nothing here ever blocks on them; kept alive until done, at most one per worker and shard
-        self._replies: deque[tuple[Any, tuple[torch.Tensor, ...]]] = deque()
+        # a server's replies, per (worker, stream): their parts leave only once the worker posts its receives
+        # (after the reply's header), so sending never waits for them. They are kept (with what ``send(keep=)``
+        # named: a shard's loan of the state they are views of) until the worker's next request on that
+        # stream, which it sends only once it has read the whole reply: see reap(). (A gloo send's
+        # is_completed() stays False until someone waits for it, so there is nothing to poll.)
+        self._replies: dict[tuple[int, int], list[_KeptReply]] = {}
 
     # -- sending -------------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> Any:
@@ -115,11 +134,13 @@ class Channel:
         reply: bool = False,
         wait: bool = True,
         stream: int = 0,
+        keep: Releasable | None = None,
     ) -> int:
         """Send header then payloads atomically w.r.t. other threads; returns bytes sent.
 
         ``data``: the fp32 payload, one tensor or its segments (segments.py), each its own message in order.
-        With ``wait=False`` the tensors are kept alive until :meth:`flush` finds the sends done.
+        With ``wait=False`` the tensors are kept alive until the sends are done (a reply's: until
+        :meth:`reap`, which then releases ``keep``).
         """
         parts = [] if data is None else [data] if isinstance(data, torch.Tensor) else list(data)
         header.numel = sum(t.numel() for t in parts)
@@ -140,13 +161,13 @@ class Channel:
                     raise PSProtocolError("replies carry no fp64 payload")
                 tensors.append(hyper)
                 works.append(self._isend(hyper, dst, TAG_REQUEST_HYPER, what))
+            old: list[_KeptReply] = []
             if not wait:
-                for w in works:
-                    if reply:
-                        self._replies.append((w, tuple(tensors)))
-                    else:
-                        self._pending.append((w, tuple(tensors), f"kind {header.kind} to rank {dst}"))
-                self._drop_sent_replies()
+                if reply:
+                    old = self._keep_reply(dst, stream, (works, tuple(tensors), keep))
+                else:
+                    self._pending += [(w, tuple(tensors), f"kind {header.kind} to rank {dst}") for w in works]
+        self._forget(dst, old, f"rank {dst} to read a reply sent {_KEEP_REPLIES} replies ago")
         if wait:
             for w in works:
                 wait_work(w, self.timeout, f"rank {dst} to accept a message (kind {header.kind})")
@@ -154,10 +175,42 @@ class Channel:
             self._prune()
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _drop_sent_replies(self) -> None:
-        """Forget the replies that have left (call with the send lock held); never waits."""
-        while self._replies and self._replies[0][0].is_completed():
-            self._replies.popleft()
+    def _keep_reply(self, dst: int, stream: int, entry: _KeptReply) -> list[_KeptReply]:
+        """Keep a reply's sends until :meth:`reap` (send lock held); returns those beyond the bound, for a
+        stream nobody reaps (the batch queue's, the service's): the oldest, which left long ago."""
+        sent = self._replies.setdefault((dst, stream), [])
+        sent.append(entry)
+        old, sent[:] = sent[:-_KEEP_REPLIES], sent[-_KEEP_REPLIES:]
+        return old
+
+    def _forget(self, dst: int, sent: list[_KeptReply], what: str) -> BaseException | None:
+        """Wait for ``sent`` (done by now, when the peer keeps the protocol), then release what they kept.
+        Returns the error of a wait that failed instead of raising it: a broken peer must not end the server
+        loop of the others. What such a reply kept is abandoned, not released (gloo may still read it)."""
+        error: BaseException | None = None
+        for works, _, _ in sent:
+            for w in works:
+                if error is None:
+                    try:
+                        wait_work(w, self.timeout, what)
+                    except (PSProtocolError, PSTimeoutError) as exc:
+                        error = exc
+        for _, _, keep in sent:
+            if keep is not None:
+                if error is None:
+                    keep.release()
+                else:
+                    keep.abandon()
+        return error
+
+    def reap(self, dst: int, stream: int) -> BaseException | None:
+        """Forget the replies sent to ``dst`` on ``stream`` and release what they kept (server loops: on
+        ``dst``'s next request on that stream, which a worker sends only once it has read the last reply, so
+        the waits here return at once). A worker that breaks that rule fails them after ``timeout``: the
+        error is returned, not raised."""
+        with self._send_lock:
+            sent = self._replies.pop((dst, stream), [])
+        return self._forget(dst, sent, f"rank {dst} to read its last reply before its next request")
 
     def _prune(self, limit: int = 16) -> None:
         """Bound the sends kept alive (each holds its tensors): wait for the oldest beyond ``limit``."""
@@ -181,8 +234,8 @@ class Channel:
             with self._send_lock:
                 if not self._replies:
                     return
-                w, _ = self._replies.popleft()
-            wait_work(w, self.timeout, "a peer to accept a reply")
+                dst, stream = next(iter(self._replies))
+            self.reap(dst, stream)
 
     # -- receiving -----------------------------------------------------------------------------
     def recv_request_header(self, src: int | None = None, timeout: float | None = None) -> Header:
@@ -200,7 +253,10 @@ class Channel:
         return Header.decode(t)
 
     def recv_request_payload(
-        self, header: Header, into: torch.Tensor | None = None, segments: Sequence[Segment] | None = None
+        self,
+        header: Header,
+        into: torch.Tensor | None = None,
+        segments: Sequence[Segment] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Receive the fp32 and fp64 payloads announced by ``header`` from its sender.
 
@@ -233,8 +289,8 @@ class Channel:
             words = bytes_to_words(text)
             with self._send_lock:
                 work = self._isend(words, dst, reply_tag(TAG_REPLY_TEXT, stream), "an error text")
-                self._replies.append((work, (words,)))
-                self._drop_sent_replies()
+                old = self._keep_reply(dst, stream, ([work], (words,), None))
+            self._forget(dst, old, f"rank {dst} to read a reply sent {_KEEP_REPLIES} replies ago")
 
     def recv_error_text(self, src: int, nbytes: int, stream: int = 0) -> str:
         """Receive the text of an error reply from ``src`` (empty when the header announced none)."""

@@ -1,0 +1,49 @@
+"""Runs inside the spawned workers of test_lent_state.py: a co-located 2-rank fit whose shards lend their
+state to replies; reports how often a write found the state lent and what the server kept of its replies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ivyplug.ps import PSClient, PSConfig
+from tests.ps.scenarios import batch, mlp
+
+STEPS = 8
+
+
+def fit(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """``STEPS`` steps; async in turns (rank 0's step, then rank 1's), so that rank 1's reply from shard 0
+    is still unread by the server's bookkeeping (rank 1 has sent no request since) when rank 0 pushes."""
+    model = mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    client = PSClient.start(PSConfig(mode=mode, timeout=60.0), list(model.named_parameters()), [], opt)
+    try:
+        client.pull_initial()
+        dist.barrier()
+        for step in range(STEPS):
+            x, y = batch(step * world + rank, 8)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if mode == "sync":
+                client.step(8)
+            else:
+                for turn in range(world):
+                    if turn == rank:
+                        client.step(8)
+                    dist.barrier()
+        shard = client.server
+        assert shard is not None and client.topo.channel is not None
+        moves, buffers = shard.flat.moves, shard.flat.buffer_count
+        kept = {f"{dst}/{stream}": len(v) for (dst, stream), v in client.topo.channel._replies.items()}
+        client.sync()  # every push landed, then both ranks pull the same version
+        return {
+            "moves": moves,
+            "buffers": buffers,
+            "kept_replies": kept,
+            "params": [p.detach().clone() for p in model.parameters()],
+        }
+    finally:
+        client.close()

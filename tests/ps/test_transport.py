@@ -1,0 +1,94 @@
+"""A server channel's bookkeeping of its reply sends (``ivyplug.ps.transport.Channel``), on a recording group.
+
+gloo's send works report completion only to a wait, so a channel keeps each reply until the worker's next
+request on that stream proves it read (``reap``), bounded on streams nobody reaps; a loan kept by a reply is
+released when its wait succeeds, abandoned (its buffer retired) when it fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ivyplug.ps.lent_state import LentState
+from ivyplug.ps.messages import Header, Kind
+from ivyplug.ps.transport import _KEEP_REPLIES, Channel, PSProtocolError
+
+
+class _Work:
+    def __init__(self, log: list[str], name: str, fails: bool) -> None:
+        self.log, self.name, self.fails = log, name, fails
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.log.append(self.name)
+        if self.fails:
+            raise RuntimeError("Connection closed by peer")
+        return True
+
+
+class _Group:
+    """Records sends; a wait on a send to ``broken`` fails as a closed connection does."""
+
+    def __init__(self, broken: int | None = None) -> None:
+        self.sent: list[tuple[int, int]] = []
+        self.waited: list[str] = []
+        self.broken = broken
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
+        self.sent.append((dst, tag))
+        return _Work(self.waited, f"{dst}/{tag}/{len(self.sent)}", dst == self.broken)
+
+
+def _reply(channel: Channel, dst: int, stream: int, keep: Any = None) -> None:
+    h = Header(kind=Kind.REPLY, sender=0, shard=stream - 1)
+    channel.send(dst, h, torch.zeros(4), reply=True, wait=False, stream=stream, keep=keep)
+
+
+def test_a_reply_is_kept_until_reaped_then_its_loan_is_released() -> None:
+    group = _Group()
+    channel = Channel(group, 0, timeout=1.0)
+    state = LentState(torch.zeros(8))
+    loan = state.lend()[1]
+    _reply(channel, 1, 1, keep=loan)
+    assert group.waited == [] and len(channel._replies[(1, 1)]) == 1  # never waited at send time
+    assert state.writable() is True  # still lent: a write would move
+    loan2 = state.lend()[1]
+    _reply(channel, 1, 1, keep=loan2)
+    assert channel.reap(1, 1) is None
+    assert len(group.waited) == 4  # both replies' header and payload
+    assert loan.released and loan2.released and (1, 1) not in channel._replies
+    assert state.writable() is False
+
+
+def test_a_stream_nobody_reaps_keeps_a_bounded_number_and_waits_for_the_oldest_first() -> None:
+    group = _Group()
+    channel = Channel(group, 0, timeout=1.0)
+    for _ in range(_KEEP_REPLIES + 6):
+        _reply(channel, 2, 0)
+    channel.send_error_text(2, b"refused", 0)  # error texts count against the same bound
+    assert len(channel._replies[(2, 0)]) == _KEEP_REPLIES
+    assert len(group.waited) == 2 * 7  # the 7 oldest replies' header and payload works, in order
+    assert group.waited == [f"2/{t}/{i + 1}" for i, t in enumerate([t for _, t in group.sent[:14]])]
+
+
+def test_a_failed_wait_is_returned_and_abandons_the_loan_whose_buffer_is_never_written_again() -> None:
+    group = _Group(broken=3)
+    channel = Channel(group, 0, timeout=1.0)
+    state = LentState(torch.arange(8.0))
+    data, loan = state.lend()
+    _reply(channel, 3, 1, keep=loan)
+    error = channel.reap(3, 1)
+    assert isinstance(error, PSProtocolError) and "gone" in str(error)
+    assert loan.released  # no longer counted as lent ...
+    assert state.writable() is True  # ... but retired: the next write moves off it ...
+    state.data.fill_(-1.0)
+    torch.testing.assert_close(data, torch.arange(8.0), rtol=0, atol=0)  # ... and it keeps what was sent
+    assert state.buffer_count == 1  # and it is not kept for reuse
+    used = set()
+    for _ in range(3):
+        _, held = state.lend()
+        state.writable()
+        used.add(state.data.data_ptr())
+        held.release()
+    assert data.data_ptr() not in used

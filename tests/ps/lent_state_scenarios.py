@@ -14,12 +14,13 @@ from tests.ps.scenarios import batch, mlp
 STEPS = 8
 
 
-def fit(rank: int, world: int, mode: str) -> dict[str, Any]:
+def fit(rank: int, world: int, mode: str, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
     """``STEPS`` steps; async in turns (rank 0's step, then rank 1's), so that rank 1's reply from shard 0
-    is still unread by the server's bookkeeping (rank 1 has sent no request since) when rank 0 pushes."""
+    is still unread by the server's bookkeeping (rank 1 has sent no request since) when rank 0 pushes.
+    ``cfg``: further PSConfig options (a bf16 wire, pushes from backward's hooks)."""
     model = mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    client = PSClient.start(PSConfig(mode=mode, timeout=60.0), list(model.named_parameters()), [], opt)
+    client = PSClient.start(PSConfig(mode=mode, timeout=60.0, **(cfg or {})), list(model.named_parameters()), [], opt)
     try:
         client.pull_initial()
         dist.barrier()

@@ -78,7 +78,10 @@ class LentState:
 
     def __init__(self, initial: torch.Tensor) -> None:
         if initial.dtype != torch.float32 or initial.dim() != 1 or not initial.is_contiguous():
-            raise ValueError("a shard's state is one contiguous flat float32 tensor")
+            raise ValueError(
+                "a shard's state is one contiguous flat float32 tensor, got "
+                f"{initial.dtype} of shape {tuple(initial.shape)}{'' if initial.is_contiguous() else ', strided'}"
+            )
         self._current = _Buffer(initial)
         self._spare: list[_Buffer] = []  # buffers once current: lent out, or free for the next move
         self.moves = 0  # how often a write found the state lent and moved it (one copy each)

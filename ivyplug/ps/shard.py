@@ -148,18 +148,17 @@ class Shard:
         # params then buffers, flat: the masters and ``buffers`` are views of it, replies lend it (lent_state.py)
         self.flat = LentState(init_flat.to(torch.float32, copy=True).contiguous())
         self._shapes = [piece_shape(plan.specs[p.index].shape, p) for p in self.param_pieces]
-        flat = self.flat.data
         self.masters: list[torch.Tensor] = []
         by_group: dict[int, list[torch.Tensor]] = {}
         self.piece_group: list[int] = []
-        for p, shape in zip(self.param_pieces, self._shapes, strict=True):
-            m = flat[p.offset : p.offset + p.numel].view(shape).detach().requires_grad_(True)
+        for p, view in zip(self.param_pieces, self._master_views(), strict=True):
+            m = view.detach().requires_grad_(True)
             self.masters.append(m)
             g = spec.param_group[p.index]
             self.piece_group.append(g)
             by_group.setdefault(g, []).append(m)
         self.optimizer, self.groups = spec.build(by_group)
-        self.buffers = flat[self.n_param :]
+        self.buffers = self.flat.data[self.n_param :]
         # integer buffers' int64 bits, as word ranges of self.buffers (never touched by float arithmetic)
         self._int_ranges = [
             (p.offset - self.n_param, p.offset - self.n_param + p.numel) for p in self.buffer_pieces if not p.is_float
@@ -508,14 +507,19 @@ class Shard:
         self.seen[worker] = self.version
         return Reply(data, self.version, staleness, self.clock[worker], self._grad_sq, loan=loan)
 
+    def _master_views(self) -> list[torch.Tensor]:
+        """Each param piece's place in the current state buffer, in its shape."""
+        flat = self.flat.data
+        pieces = zip(self.param_pieces, self._shapes, strict=True)
+        return [flat[p.offset : p.offset + p.numel].view(shape) for p, shape in pieces]
+
     def _writable(self) -> None:
         """Call before every write of masters or buffers: a state lent to a reply moves to a free buffer."""
         if not self.flat.writable():
             return
-        flat = self.flat.data
-        for m, p, shape in zip(self.masters, self.param_pieces, self._shapes, strict=True):
-            m.data = flat[p.offset : p.offset + p.numel].view(shape)
-        self.buffers = flat[self.n_param :]
+        for m, view in zip(self.masters, self._master_views(), strict=True):
+            m.data = view
+        self.buffers = self.flat.data[self.n_param :]
 
     def _release(self) -> None:
         """Move the pending replies the mode now allows to ``_ready`` (snapshots taken under the lock)."""

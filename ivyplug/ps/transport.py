@@ -187,6 +187,8 @@ class Channel:
         """Wait for ``sent`` (done by now, when the peer keeps the protocol), then release what they kept.
         Returns the error of a wait that failed instead of raising it: a broken peer must not end the server
         loop of the others. What such a reply kept is abandoned, not released (gloo may still read it)."""
+        if not sent:
+            return None
         error: BaseException | None = None
         for works, _, _ in sent:
             for w in works:
@@ -230,12 +232,16 @@ class Channel:
                     break
                 w, _, what = self._pending.popleft()
             wait_work(w, self.timeout, f"a peer to accept a message ({what})")
+        failed: BaseException | None = None
         while replies:
             with self._send_lock:
                 if not self._replies:
-                    return
+                    break
                 dst, stream = next(iter(self._replies))
-            self.reap(dst, stream)
+            error = self.reap(dst, stream)  # (always: it empties the stream, which ends the loop)
+            failed = failed or error
+        if failed is not None:  # every reply was forgotten first; the first failure is the caller's to see
+            raise failed
 
     # -- receiving -----------------------------------------------------------------------------
     def recv_request_header(self, src: int | None = None, timeout: float | None = None) -> Header:
@@ -253,10 +259,7 @@ class Channel:
         return Header.decode(t)
 
     def recv_request_payload(
-        self,
-        header: Header,
-        into: torch.Tensor | None = None,
-        segments: Sequence[Segment] | None = None,
+        self, header: Header, into: torch.Tensor | None = None, segments: Sequence[Segment] | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Receive the fp32 and fp64 payloads announced by ``header`` from its sender.
 

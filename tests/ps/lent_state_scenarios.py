@@ -35,6 +35,7 @@ def fit(rank: int, world: int, mode: str, cfg: dict[str, Any] | None = None) -> 
                     if turn == rank:
                         client.step(8)
                     dist.barrier()
+        dist.barrier()  # both ranks have their last replies: each server has sent the other's (and keeps it)
         shard = client.server
         assert shard is not None and client.topo.channel is not None
         moves, buffers = shard.flat.moves, shard.flat.buffer_count

@@ -18,7 +18,7 @@ from ivyplug.ps import PSConfig
 from ivyplug.ps.lent_state import LentState
 from ivyplug.ps.mirror import OptimizerSpec
 from ivyplug.ps.push import encode_mask
-from ivyplug.ps.shard import Shard
+from ivyplug.ps.shard import Shard, load_state_bytes
 from ivyplug.ps.sharding import TensorSpec, build_plan
 from tests.ps import lent_state_scenarios
 from tests.ps.harness import run_workers
@@ -181,8 +181,6 @@ def test_a_checkpoint_load_does_not_write_into_a_lent_state() -> None:
     saved = shard.state()
     reply = shard.push_pull(0, torch.ones(21), hyper).result(1)
     before = reply.snapshot.clone()
-    from ivyplug.ps.shard import load_state_bytes
-
     shard.load(load_state_bytes(saved))
     torch.testing.assert_close(reply.snapshot, before, rtol=0, atol=0)
     torch.testing.assert_close(shard.flat.data[:18], init[:18], rtol=0, atol=0)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from ivyplug.ps.lent_state import LentState
 from ivyplug.ps.messages import Header, Kind
 from ivyplug.ps.transport import _KEEP_REPLIES, Channel, PSProtocolError
+
+pytestmark = pytest.mark.timeout(60)
 
 
 class _Work:
@@ -92,3 +95,16 @@ def test_a_failed_wait_is_returned_and_abandons_the_loan_whose_buffer_is_never_w
         used.add(state.data.data_ptr())
         held.release()
     assert data.data_ptr() not in used
+
+
+def test_flush_forgets_every_reply_then_raises_the_first_failure() -> None:
+    group = _Group(broken=3)
+    channel = Channel(group, 0, timeout=1.0)
+    state = LentState(torch.zeros(8))
+    loans = [state.lend()[1] for _ in range(2)]
+    _reply(channel, 3, 1, keep=loans[0])  # to a peer that is gone
+    _reply(channel, 4, 2, keep=loans[1])
+    with pytest.raises(PSProtocolError, match="gone"):
+        channel.flush(replies=True)
+    assert channel._replies == {}  # the reply to the live peer was waited for and released too
+    assert all(loan.released for loan in loans)

@@ -36,6 +36,12 @@ epoch (``interval="epoch"``) advance identically on every worker. ``limit_train_
 batches (a fraction is of the upper bound), and the progress bar's total is the bound (or that cap) while it
 counts this worker's batches.
 
+Step limit. Workers take different numbers of steps, so ``Trainer(max_steps=N)`` ends the fit for every worker
+when the first one has taken N optimizer steps: the queue then hands out no more batches, each worker ends
+that epoch after the batch it is training, validates there (a DDP fit stopped mid-epoch by ``max_steps`` does
+not) and stops at its end. No worker takes more than N steps, so a schedule sized by ``max_steps`` never runs
+past its end.
+
 A worker's epoch usually ends before that length, where Lightning, given a length, would neither validate
 nor step epoch-interval schedulers (it validates at batch number ``len`` and otherwise ends the epoch at
 ``StopIteration``). The sampler therefore asks the queue one batch ahead (as Lightning's own prefetch did
@@ -65,6 +71,8 @@ class BatchDispatcher(Protocol):
 
     def end_epoch(self) -> None: ...
 
+    def stop_epoch(self) -> None: ...
+
 
 class ClientDispatcher:
     """The PS client's queue, looked up when an epoch starts: the loader may be built before the client exists."""
@@ -88,6 +96,9 @@ class ClientDispatcher:
 
     def end_epoch(self) -> None:
         self._client_of("end_epoch").end_epoch()
+
+    def stop_epoch(self) -> None:
+        self._client_of("stop_epoch").stop_epoch()
 
     def _client_of(self, call: str) -> BatchDispatcher:
         if self._bound is None:
@@ -209,6 +220,11 @@ class DispatchBatchSampler:
             self._ended = True
             self.finished = len(self.served)
             self.dispatcher.end_epoch()
+
+    def stop(self) -> None:
+        """This worker reached the fit's step limit: the queue hands out no more batches this epoch, to anyone."""
+        if not self._ended:
+            self.dispatcher.stop_epoch()
 
     def is_last(self, position: int) -> bool:
         """Whether this epoch's batch number ``position`` (0-based) is the last this worker gets."""
@@ -355,6 +371,12 @@ class DispatchEpochEnd(Callback):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or capped or sampler.is_last(batch_idx):
             sampler.batch_done(batch_idx)
         last = capped or sampler.is_last(batch_idx)
+        if not last and _step_limit_reached(trainer):
+            # no worker takes another batch: every one ends this epoch after the batches it holds, validates as at
+            # any epoch end (so all of them meet the same collectives) and learns at on_train_epoch_end to stop
+            sampler.stop()
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+            last = True
         if not last and not trainer.should_stop and sampler.ask_after(batch_idx):
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True  # Lightning validates, ends the epoch
             last = True
@@ -362,8 +384,18 @@ class DispatchEpochEnd(Callback):
             sampler.end_epoch()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """End this worker's epoch at the queue; the first worker to reach ``max_steps`` ends every worker's fit."""
         if self._sampler is not None:  # an epoch ended otherwise (max_steps): no worker waits for this one
             self._sampler.end_epoch()
+        if trainer.max_steps != -1:  # every worker is at this epoch's end: agree on whether the fit ends here
+            reached = _step_limit_reached(trainer)
+            if trainer.strategy.reduce_boolean_decision(reached, all=False) and not reached:
+                trainer.should_stop = True
+
+
+def _step_limit_reached(trainer: Any) -> bool:
+    """Whether this worker's optimizer steps reached ``Trainer(max_steps=...)``."""
+    return bool(trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps)
 
 
 def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:

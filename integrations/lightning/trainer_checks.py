@@ -37,6 +37,14 @@ def per_step_collective_problems(trainer: Any, model: Any = None) -> list[str]:
             problems.append(
                 "a Timer checked every step (Trainer(max_time=...) adds one): use Timer(duration, interval='epoch')"
             )
+    fit_loop = getattr(trainer, "fit_loop", None)
+    if getattr(trainer, "max_steps", -1) != -1 and (
+        getattr(fit_loop, "min_steps", None) or getattr(fit_loop, "min_epochs", None)
+    ):
+        problems.append(
+            "max_steps together with min_steps/min_epochs (the first worker to reach max_steps ends every "
+            "worker's fit at that epoch's end, and a minimum would keep the others training without it)"
+        )
     if getattr(getattr(trainer, "strategy", None), "_layer_sync", None) is not None:
         problems.append("sync_batchnorm=True (SyncBatchNorm all-reduces in every forward)")
     return problems

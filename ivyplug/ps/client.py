@@ -448,6 +448,7 @@ class PSClient:
         ``finished``: how many of the indices this worker got in this epoch (its reserved one first) it has
         trained and pushed; the others go back to the queue if this worker is lost. When the queue is empty
         while another worker still trains an index it could give back, the answer waits for that worker.
+        None also once a worker stopped the epoch (:meth:`stop_epoch`).
         """
         self._check_open()
         if self.epoch is None:
@@ -484,6 +485,22 @@ class PSClient:
             self.topo.queue.finish(self.rank, self.epoch)
         elif self.topo.queue_endpoint is not None:
             request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg2=BatchAsk.END)
+            request.header(self.cfg.timeout)
+
+    def stop_epoch(self) -> None:
+        """This worker reached the fit's step limit: the queue hands out no more batches this epoch.
+
+        Every worker's next request for a batch, and every waiting one, gets none: each ends its epoch after
+        the batches it holds, so all of them meet at that epoch's end (where the dispatch loader ends the fit).
+        """
+        self._check_open()
+        if self.epoch is None:
+            raise RuntimeError("stop_epoch() before start_epoch(): call start_epoch(epoch, num_batches) first")
+        if self.topo.queue is not None:
+            self.topo.queue.stop(self.rank, self.epoch)
+        else:
+            assert self.topo.queue_endpoint is not None
+            request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg2=BatchAsk.STOP)
             request.header(self.cfg.timeout)
 
     def _wait_for_batch(self, fut: Future[int]) -> int:

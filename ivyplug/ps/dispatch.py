@@ -16,6 +16,10 @@ worker is free). Every index of an epoch is trained at least once, also when a w
   :meth:`BatchQueue.finish`. Workers that are themselves waiting do not make others wait (two workers
   waiting for each other would never be answered).
 
+A worker that reaches the fit's step limit (Lightning's ``max_steps``) stops the epoch (:meth:`BatchQueue.stop`):
+the queue hands out nothing more and answers every request, waiting ones included, with the epoch's end, so
+each worker ends its epoch after the batches it already holds.
+
 While no worker is lost, every index is handed out exactly once. What is left uncovered: a worker lost in
 its epoch's last batches, after every other worker was told the epoch is over (they asked while it was
 waiting itself); :meth:`BatchQueue.release` then returns the indices it gives back too late, and whoever
@@ -63,6 +67,7 @@ class BatchQueue:
         self._returned: list[int] = []
         self._lost: set[int] = set()
         self._waiting: list[tuple[int, Future[int]]] = []  # (worker, reply) of requests that must wait
+        self.stopped_by: int | None = None  # the worker that stopped this epoch (stop())
 
     def reset(self, epoch: int, num_batches: int, reserved: int = 0) -> None:
         """Start ``epoch`` with ``num_batches`` indices, the first ``reserved`` one per worker."""
@@ -78,11 +83,12 @@ class BatchQueue:
             self._told = set(self._lost)
             self._done = set(self._lost)
             self._returned = [w for w in range(reserved) if w in self._lost]
+            self.stopped_by = None
         for _, fut in stale:  # a request of an epoch that is over gets nothing
             fut.set_result(-1)
 
     def take(self, worker: int, epoch: int, finished: int = 0, wait: bool = True) -> Future[int]:
-        """The next index of ``epoch`` for ``worker``, or -1 when the epoch is over (or not current).
+        """The next index of ``epoch`` for ``worker``, or -1 when the epoch is over, stopped or not current.
 
         ``finished``: how many of the indices this epoch handed to ``worker`` (its reserved one first) it has
         finished. The future is resolved at once unless the queue is empty while another worker still holds
@@ -107,6 +113,20 @@ class BatchQueue:
             fut.set_result(index)
         self._resolve(ready)
         return fut
+
+    def stop(self, worker: int, epoch: int) -> None:
+        """``worker`` reached the fit's step limit: nothing more is handed out in ``epoch``.
+
+        Every request from now on, and every waiting one, is answered -1 (the epoch is over); the batches
+        already handed out are trained by whoever holds them. A stop of an epoch that is not current does nothing.
+        """
+        with self.lock:
+            if epoch == self.epoch and self.stopped_by is None:
+                self.stopped_by = worker
+                self._returned = []
+                self.next_index = self.num_batches
+            ready = self._resolvable()
+        self._resolve(ready)
 
     def finish(self, worker: int, epoch: int) -> None:
         """``worker`` has trained every index it was given in ``epoch`` and asks for none more this epoch."""
@@ -153,6 +173,9 @@ class BatchQueue:
     # -- under the lock ---------------------------------------------------------------------------
     def _next(self, worker: int, waiting: set[int]) -> int | None:
         """An index for ``worker``; -1 when the epoch is over for it; None when it must wait."""
+        if self.stopped_by is not None:
+            self._told.add(worker)
+            return -1
         if self._returned:
             index = self._returned.pop(0)
         elif self.next_index < self.num_batches:

@@ -63,6 +63,7 @@ class BatchAsk:
     NOW = 0  # an index, or -2 where the answer would have to wait
     END = 1  # nothing: the worker trained every batch it got this epoch
     WAIT = 2  # an index, waiting for it if need be
+    STOP = 3  # nothing: the worker reached the fit's step limit, so the epoch hands out no more batches
 
 
 class Status:

@@ -378,6 +378,9 @@ class ServerLoop(threading.Thread):
             if h.arg2 == BatchAsk.END:  # the worker's epoch is over: it trained every batch it got
                 self.queue.finish(w, h.arg0)
                 self._reply(to, h, None, arg0=-1)
+            elif h.arg2 == BatchAsk.STOP:  # the worker reached the fit's step limit: no more batches this epoch
+                self.queue.stop(w, h.arg0)
+                self._reply(to, h, None, arg0=-1)
             else:  # with WAIT, answered when the queue resolves it (another worker's batches may come back)
                 taken = self.queue.take(w, h.arg0, max(0, h.arg1), wait=h.arg2 == BatchAsk.WAIT)
                 taken.add_done_callback(lambda f: self._answer_number(to, h, f))

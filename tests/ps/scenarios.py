@@ -189,7 +189,8 @@ def step_clocks(rank: int, world: int, mode: str, staleness: int | None, slow_ra
 
 
 def dispatch(rank: int, world: int, slow_rank: int) -> dict[str, Any]:
-    """async + batch queue: every index once per epoch; the slowed rank gets fewer; stop flag travels."""
+    """async + batch queue: every index once per epoch; the slowed rank gets fewer; a stopped epoch hands out no
+    more; the stop flag travels."""
     model = mlp(seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     client = start(model, opt, mode="async", timeout=30.0)
@@ -207,13 +208,27 @@ def dispatch(rank: int, world: int, slow_rank: int) -> dict[str, Any]:
             client.step(4)
         epochs.append(got)
         client.sync()
+    # a third epoch that rank 1 (asking over the wire) stops after one batch each: nothing more is handed out
+    client.start_epoch(2, 30)
+    got = [client.next_batch()]
+    x, y = batch(got[0], 4)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    client.step(4)
+    if rank == 1:
+        client.stop_epoch()
+    client.workers.barrier("rank 1 to stop the epoch")
+    after_stop = [client.next_batch(1), client.next_batch(1)]
+    epochs.append(got)
+    client.end_epoch()
+    client.sync()
     if rank == 1:
         client.request_stop()
     client.sync()  # replies after the STOP carry the flag
     stopped = client.stop_requested()
     metrics = client.metrics()
     client.close()
-    return {"epochs": epochs, "stopped": stopped, "metrics": metrics}
+    return {"epochs": epochs, "after_stop": after_stop, "stopped": stopped, "metrics": metrics}
 
 
 def dedicated_servers(rank: int, world: int) -> dict[str, Any]:

@@ -191,6 +191,28 @@ def test_a_late_loss_is_reported_and_a_new_epoch_answers_stale_requests() -> Non
     assert now(q3, 1, 0, 0) == -1  # a request for an epoch that is not current
 
 
+def test_a_stopped_epoch_answers_every_request_and_a_waiting_one_with_its_end() -> None:
+    q = BatchQueue(3)
+    q.reset(0, 10, reserved=3)
+    assert now(q, 0, 0, 1) == 3 and now(q, 1, 0, 1) == 4
+    q.take(2, 0, 0)  # worker 2 holds batch 2 unfinished ...
+    q.release(1)  # ... and worker 1's unfinished batch 4 goes back to the queue
+    q.stop(0, 1)  # a stop of an epoch that is not current does nothing
+    assert q.stopped_by is None and now(q, 2, 0, 1) == 4
+    q.stop(2, 0)
+    assert q.stopped_by == 2
+    assert now(q, 0, 0, 2) == -1 and now(q, 2, 0, 2) == -1  # nothing more, though batches 6..9 were never handed out
+    assert q.taken == [1, 1, 2]
+
+    q.reset(1, 5, reserved=3)  # a new epoch is not stopped (lost worker 1's reserved batch goes to the queue) ...
+    assert q.stopped_by is None and now(q, 0, 1, 1) == 1 and now(q, 2, 1, 0) == 3
+    assert now(q, 0, 1, 2) == 4
+    waiting = q.take(0, 1, 3)  # ... and a request waiting for a worker still training (worker 2, batch 2) ...
+    assert not waiting.done()
+    q.stop(2, 1)  # ... is answered by the stop, not by that worker's end
+    assert waiting.result(timeout=0) == -1
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [((0, -1, 0), "num_batches"), ((0, 3, True), "reserved"), ((0, 2, 3), "reserved must be at most")],

@@ -151,6 +151,13 @@ def test_dispatch_every_batch_once_per_epoch_and_slow_worker_gets_fewer(world2: 
         assert r["dispatch"]["metrics"]["batches"] == sum(len(e) for e in r["dispatch"]["epochs"])
 
 
+def test_a_stopped_epoch_hands_out_no_more_batches_to_any_worker(world2: list) -> None:
+    """Rank 1 stops epoch 2 (over the wire, to rank 0's queue) after one batch each: both then get none."""
+    got = [r["dispatch"]["epochs"][2] for r in world2]
+    assert sorted(got[0] + got[1]) == [0, 1]
+    assert all(r["dispatch"]["after_stop"] == [None, None] for r in world2)
+
+
 def test_stop_signal_reaches_every_worker(world2: list) -> None:
     assert all(r["dispatch"]["stopped"] for r in world2)
 

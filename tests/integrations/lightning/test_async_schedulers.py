@@ -19,6 +19,7 @@ import torch
 from ivyplug.integrations.lightning import registration
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import TQDMProgressBar
+from torch.utils.data import DataLoader
 
 from .digits import DigitsMLP
 from .helpers import quiet_trainer, reaped_children
@@ -170,3 +171,51 @@ def test_limit_train_batches_caps_each_worker_and_the_progress_bar_counts_its_ba
         assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample trained twice"
         # the fast worker reaches the cap and stops; the slow one never gets that far
         assert taken[1 - SLOW_RANK] == limit > taken[SLOW_RANK], taken
+
+
+class _LoaderWorkersMLP(OneCycleMLP):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self._train_data(), batch_size=BATCH, shuffle=True, num_workers=2, persistent_workers=True)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])  # loader worker processes: the next batch is asked for ahead
+def test_max_steps_ends_every_worker_s_fit_when_the_first_reaches_it(num_workers: int, tmp_path: Path) -> None:
+    """``max_steps`` in async mode: the fast worker stops at exactly ``max_steps``, the slow one at the same
+    epoch's end, each after validating there; no schedule sized by ``max_steps`` runs past its end."""
+    seed_everything(0)
+    record = tmp_path / "record"
+    record.mkdir()
+    max_steps, max_epochs = 25, 5  # 5 epochs hold 100 batches: the step limit, not the epochs, ends this fit
+    model = _model(record) if not num_workers else _LoaderWorkersMLP(**_model(record).hparams)
+    with reaped_children():
+        trainer = quiet_trainer(
+            _strategy("ivy_ps"),
+            devices=WORKERS,
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            default_root_dir=str(tmp_path),
+        )
+        trainer.fit(model)
+
+    epochs = {
+        rank: sorted(int(p.stem.split("epoch")[1]) for p in record.glob(f"rank{rank}_epoch*.json")) for rank in (0, 1)
+    }
+    assert epochs[0] == epochs[1], f"the workers ended their fits in different epochs: {epochs}"
+    last = epochs[0][-1]
+    assert last < max_epochs - 1, f"the fit ran to max_epochs: {epochs}"
+    steps = {rank: 0 for rank in (0, 1)}
+    for epoch in epochs[0]:
+        seen: list[int] = []
+        for rank in (0, 1):
+            data = _read(record, rank, epoch)
+            assert data["total_steps"] == max_steps  # Lightning sizes the schedule by max_steps
+            assert data["validations"] == 1, f"rank {rank} epoch {epoch}: one validation, at this worker's epoch end"
+            steps[rank] += data["batches"]
+            assert data["scheduler_steps"] == steps[rank]
+            seen += data["samples"]
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample trained twice"
+        if epoch < last:
+            assert sorted(seen) == list(range(TRAIN_SIZE)), f"epoch {epoch}: a full epoch lost samples"
+    fast = 1 - SLOW_RANK
+    assert steps[fast] == max_steps > steps[SLOW_RANK], steps
+    assert len(seen) < TRAIN_SIZE, "the stopping epoch should end before its queue was empty"

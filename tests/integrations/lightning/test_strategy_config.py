@@ -80,6 +80,8 @@ def _trainer(mode: str, **kwargs: Any) -> Trainer:
             "train_time_interval",
         ),
         ("async", {"sync_batchnorm": True}, DigitsMLP, "sync_batchnorm"),
+        ("async", {"max_steps": 10, "min_epochs": 2}, DigitsMLP, "max_steps together with min_steps/min_epochs"),
+        ("ssp", {"max_steps": 10, "min_steps": 5}, DigitsMLP, "max_steps together with min_steps/min_epochs"),
         ("sync", {}, ManualOptMLP, "manual optimization"),
         ("async", {}, ManualOptMLP, "manual optimization"),
     ],
@@ -103,6 +105,8 @@ def test_sync_mode_allows_per_step_options() -> None:
         devices=2,
         val_check_interval=0.5,
         max_time="00:00:01:00",
+        max_steps=10,
+        min_epochs=2,
         logger=False,
         enable_progress_bar=False,
     )

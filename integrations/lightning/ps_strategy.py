@@ -45,7 +45,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
@@ -220,6 +220,7 @@ class IvyPSStrategy(DDPStrategy):
         self._local_updates: LocalUpdates | None = None  # an optimizer that steps locally (AsyncLAMB)
         self._clip_norm: float | None = None
         self._in_train_batch = False
+        self._warned_local_reduce = False  # once per strategy: on-step sync_dist stays local in async/ssp
         self._metrics_logger: PSMetricsLogger | None = None
         self._lost_ranks: list[int] = []  # workers lost during the last fit (servers outside the workers)
         self._warned_local = False
@@ -533,6 +534,14 @@ class IvyPSStrategy(DDPStrategy):
         """On-step ``sync_dist`` stays local in async/ssp (ranks are not in lockstep); epoch-end reduces are real
         (among the live workers when the servers live outside them)."""
         if self._in_train_batch and self.is_async:
+            if not self._warned_local_reduce and self.world_size > 1:
+                self._warned_local_reduce = True
+                rank_zero_warn(
+                    f"IvyPSStrategy(mode={self.mode!r}): a reduce inside a training batch (self.log(..., "
+                    "sync_dist=True) with on_step=True) is not synchronised: workers are not in lockstep, so each "
+                    "logs its own per-step value; values logged with on_epoch=True are reduced across workers at "
+                    "the epoch's end"
+                )
             return tensor
         members = self._members()
         if members is None or not isinstance(tensor, torch.Tensor):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from ivyplug.integrations.lightning import IvyPSStrategy
@@ -68,6 +70,10 @@ def test_on_step_reduce_is_local_only_inside_a_training_batch(monkeypatch: pytes
         lambda self, data_fetcher: seen.append(strategy.reduce(torch.tensor(3.0))),
     )
     strategy._install_epoch_loop_patches(trainer)  # wraps the (stand-in) advance of this loop
-    trainer.fit_loop.epoch_loop.advance(None)
-    assert seen == [torch.tensor(3.0)] and calls == []  # inside a batch: local
+    with pytest.warns(UserWarning, match=r"sync_dist=True\) with on_step=True\) is not synchronised"):
+        trainer.fit_loop.epoch_loop.advance(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once, not at every batch
+        trainer.fit_loop.epoch_loop.advance(None)
+    assert seen == [torch.tensor(3.0)] * 2 and calls == []  # inside a batch: local
     assert strategy.reduce(torch.tensor(3.0)) == torch.tensor(6.0) and calls == ["all_reduce"]  # epoch end: real

@@ -179,6 +179,8 @@ def _fit_stub(train_dataloader: object, accumulate: int = 1) -> SimpleNamespace:
         accumulate_grad_batches=accumulate,
         num_training_batches=len(train_dataloader),  # type: ignore[arg-type]
         should_stop=False,
+        max_steps=-1,
+        global_step=0,
     )
 
 
@@ -199,14 +201,17 @@ def test_epoch_end_marks_the_last_dispatched_batch_and_validation_runs_there(acc
     progress = trainer.fit_loop.epoch_loop.batch_progress
     batches = iter(loader)
     marks = []
-    for batch_idx in range(len(loader)):  # Lightning's loop: it ends at the batch marked last
-        batch = next(batches)
-        progress.is_last_batch = batch_idx + 1 >= len(loader)  # what Lightning's fetcher knows from the length
-        callback.on_train_batch_start(trainer, None, batch, batch_idx)
-        callback.on_train_batch_end(trainer, None, None, batch, batch_idx)
-        marks.append(progress.is_last_batch)
-        if progress.is_last_batch:
-            break
+    try:
+        for batch_idx in range(len(loader)):  # Lightning's loop: it ends at the batch marked last
+            batch = next(batches)
+            progress.is_last_batch = batch_idx + 1 >= len(loader)  # what Lightning's fetcher knows from the length
+            callback.on_train_batch_start(trainer, None, batch, batch_idx)
+            callback.on_train_batch_end(trainer, None, None, batch, batch_idx)
+            marks.append(progress.is_last_batch)
+            if progress.is_last_batch:
+                break
+    finally:
+        del batches  # shuts a loader process down even when the loop failed (later tests count live children)
     assert marks == [False, True]  # batch 0 (reserved), batch 2; batch 1 is the other worker's
     assert sampler.served == [0, 2] and sampler.finished == 2 and queue.ended == 1
 

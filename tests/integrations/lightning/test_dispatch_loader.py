@@ -17,6 +17,8 @@ from ivyplug.integrations.lightning.dispatch_loader import (
 )
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset, WeightedRandomSampler
 
+from .helpers import reaped_children
+
 
 class SharedQueue:
     """Stands in for the PS batch queue: one counter per epoch shared by every worker's sampler."""
@@ -199,9 +201,9 @@ def test_epoch_end_marks_the_last_dispatched_batch_and_validation_runs_there(acc
     assert isinstance(sampler, DispatchBatchSampler)
     assert sampler.ask_after_training == (accumulate == 1 and num_workers == 0)
     progress = trainer.fit_loop.epoch_loop.batch_progress
-    batches = iter(loader)
     marks = []
-    try:
+    with reaped_children():  # a loader process left by a failing loop would outlive the test
+        batches = iter(loader)  # starts the loader process, if any
         for batch_idx in range(len(loader)):  # Lightning's loop: it ends at the batch marked last
             batch = next(batches)
             progress.is_last_batch = batch_idx + 1 >= len(loader)  # what Lightning's fetcher knows from the length
@@ -210,8 +212,6 @@ def test_epoch_end_marks_the_last_dispatched_batch_and_validation_runs_there(acc
             marks.append(progress.is_last_batch)
             if progress.is_last_batch:
                 break
-    finally:
-        del batches  # shuts a loader process down even when the loop failed (later tests count live children)
     assert marks == [False, True]  # batch 0 (reserved), batch 2; batch 1 is the other worker's
     assert sampler.served == [0, 2] and sampler.finished == 2 and queue.ended == 1
 

@@ -185,7 +185,9 @@ def test_max_steps_ends_every_worker_s_fit_when_the_first_reaches_it(num_workers
     seed_everything(0)
     record = tmp_path / "record"
     record.mkdir()
-    max_steps, max_epochs = 25, 5  # 5 epochs hold 100 batches: the step limit, not the epochs, ends this fit
+    # 5 epochs hold 100 batches: the step limit, not the epochs, ends this fit. One step past a full epoch, so
+    # the stopping epoch empties its queue only if the slow worker kept pace with the fast one (it sleeps).
+    max_steps, max_epochs = NUM_BATCHES + 1, 5
     model = _model(record) if not num_workers else _LoaderWorkersMLP(**_model(record).hparams)
     with reaped_children():
         trainer = quiet_trainer(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import checkpoint, service_link, topology
+from ivyplug.ps import checkpoint, service_link, shared_region, topology
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.dispatch import WAIT, check_count, check_epoch
 from ivyplug.ps.early_push import WASTED_STEPS, EarlyPush
@@ -101,6 +101,7 @@ class PSClient:
         #: backward's gradient hooks that send each shard's data early (PSConfig.overlap_backward), else None
         self.early: EarlyPush | None = None
         self._scales_pushes = False  # async/ssp clipping rescales every push at the step: nothing to send early
+        self._shm_failed = False  # a shared-memory region could not be made: warned once, every shard on gloo
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -178,7 +179,7 @@ class PSClient:
             ep.host_buffer = functools.partial(self.layout.host_buffer, shard=s)
             if cfg.wire_dtype == "bfloat16":  # pushes and pulls in bf16 (wire_codec.py)
                 ep.bf16 = Bf16Codec(self.plan.shard_numel(s), self.plan.float_ranges(s))
-            else:  # fp32: cut so that large tensors travel in place (segments.py)
+            elif not self._share(s, ep):  # fp32: cut so that large tensors travel in place (segments.py)
                 ep.segments = self.layout.segments[s]
         if self.topo.link is not None and world_size > 1:
             # from here on the workers meet through the service: a worker that dies leaves, never hangs them
@@ -187,6 +188,34 @@ class PSClient:
         if cfg.overlap_backward:
             self.early = EarlyPush(self.layout, self._send_early)
         return self
+
+    def _share(self, shard: int, ep: WireEndpoint) -> bool:
+        """Keep ``shard``'s pushes and pulls in shared memory with its server (shared_region.py) where it is a
+        co-located rank on this host and the shard's tensors are packed on the CPU; True if they are."""
+        if not self.cfg.shared_memory or self._shm_failed or self.topo.link is not None:
+            return False
+        if self.layout.staging_device(shard) is not None:  # CUDA: the pinned host buffer and one copy
+            return False
+        numel = self.plan.shard_numel(shard)
+        try:
+            region = shared_region.create(numel)
+        except OSError as exc:
+            self._shm_failed = True
+            warnings.warn(
+                f"ivyplug PS (rank {self.rank}): pushes travel over gloo, not shared memory: a region of "
+                f"{4 * numel / 2**20:.1f} MiB for shard {shard} could not be made in {shared_region.SHM_DIR} "
+                f"({exc}); PSConfig(shared_memory=False) says so without this warning",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        try:
+            shared = ep.share(region)
+        finally:
+            region.unlink()  # mapped by both now (or by none): nothing is left behind in /dev/shm
+        if shared:
+            self.layout.use_push_buffer(shard, region.tensor)
+        return shared
 
     @property
     def params(self) -> list[tuple[str, torch.Tensor]]:

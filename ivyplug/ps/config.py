@@ -41,6 +41,10 @@ class PSConfig:
     memory directly) are not seen. ``False`` (default): everything at the step. Opt-in because it has not paid
     where it was measured (two CPU workers on two cores: the step 7-10% slower) and the accelerator path is
     unmeasured.
+    ``shared_memory=True`` (default): a worker and a co-located server rank on the same host keep each fp32
+    push and its reply in a region of ``/dev/shm`` both map, and only the headers cross gloo (1.3-2× gloo's
+    loopback bandwidth where it was measured, see docs/benchmarks.md); ranks on other hosts, workers on CUDA
+    and bf16 wires use gloo as before, as do dedicated servers and ``ivyplug serve``. ``False``: gloo only.
     """
 
     mode: str = "async"
@@ -54,6 +58,7 @@ class PSConfig:
     token: str | None = field(default=None, repr=False)
     wire_dtype: str = "float32"
     overlap_backward: bool = False
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -98,6 +103,8 @@ class PSConfig:
 
         if not isinstance(self.overlap_backward, bool):
             raise ValueError(f"PSConfig.overlap_backward must be True or False, got {self.overlap_backward!r}")
+        if not isinstance(self.shared_memory, bool):
+            raise ValueError(f"PSConfig.shared_memory must be True or False, got {self.shared_memory!r}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"PSConfig.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         if self.servers is not None:

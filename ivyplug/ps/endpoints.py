@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ivyplug.ps import typed_state
+from ivyplug.ps import shared_region, typed_state
 from ivyplug.ps.messages import Flag, Header, Kind, Status, arg_float, bytes_to_words, words_to_bytes
 from ivyplug.ps.segments import Segment, views
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
@@ -235,6 +235,9 @@ class WireEndpoint:
         self.bf16: Bf16Codec | None = None
         #: set (fp32 wire): pushes and pulls travel cut so, large tensors in place (segments.py)
         self.segments: list[Segment] | None = None
+        #: set (:meth:`share`): the shared-memory region pushes and pulls of this shard live in; only their
+        #: headers travel (shared_region.py)
+        self.shared: torch.Tensor | None = None
         #: allocates the fp32 buffer a reply lands in (the client's: pinned where its tensors are on CUDA)
         self.host_buffer: Callable[[int], torch.Tensor] = lambda numel: torch.empty(numel, dtype=torch.float32)
 
@@ -259,11 +262,18 @@ class WireEndpoint:
             self._open.drain(self.channel.timeout)
         self._seq += 1
         split = False
-        if kind in (Kind.PUSH_PULL, Kind.PULL):
+        shm = kind in (Kind.PUSH_PULL, Kind.PULL) and self.shared is not None
+        if shm:
+            out: torch.Tensor | None = self.shared  # the server writes the reply there: no receive to post
+            args["flags"] = Flag.SHM
+            if data is not None:
+                self._into_region(data)
+                data = None  # nothing but the header travels
+        elif kind in (Kind.PUSH_PULL, Kind.PULL):
             if self._reply_buf is None:
                 words = self.bf16.words if self.bf16 is not None else self.numel
                 self._reply_buf = self.host_buffer(words)
-            out: torch.Tensor | None = self._reply_buf
+            out = self._reply_buf
             if self.bf16 is not None:
                 args["flags"] = Flag.BF16
                 if data is not None:
@@ -279,11 +289,32 @@ class WireEndpoint:
                     raise ValueError(f"shard {self.shard}: a push in {len(data)} parts; its cut has {cut}")
         else:
             out = torch.empty(reply_numel, dtype=torch.float32) if reply_numel else None
-        hbuf, works = self.channel.post_reply(self.dst, out, self.shard + 1, split=split)
+        hbuf, works = self.channel.post_reply(self.dst, None if shm else out, self.shard + 1, split=split)
         h = Header(kind=kind, sender=self.channel.rank, shard=self.shard, seq=self._seq, **args)
         self._stats.bytes_sent += self.channel.send(self.dst, h, data, hyper, wait=False)
         self._open = _WireReply(self, hbuf, works, out, what or f"a kind-{kind} request for shard {self.shard}", into)
         return self._open
+
+    def _into_region(self, data: Payload) -> None:
+        """Put a push's data into the shared region (nothing to copy when it was packed there); counted as
+        sent: the bytes a push moves, whichever way they travel."""
+        assert self.shared is not None
+        if not isinstance(data, torch.Tensor) or data.numel() != self.numel:
+            raise ValueError(f"shard {self.shard}: a shared-memory push is one flat tensor of {self.numel} values")
+        if data.data_ptr() != self.shared.data_ptr():
+            self.shared.copy_(data)
+        self._stats.bytes_sent += 4 * self.numel
+
+    def share(self, region: shared_region.Region) -> bool:
+        """Ask the server to map ``region`` for this worker's pushes and pulls of the shard; True if it did
+        (from then on only headers travel), False where it could not (another host): the wire stays gloo."""
+        path = region.path.encode()
+        a, b = region.nonce_args
+        reply = self.request(Kind.SHM_ATTACH, bytes_to_words(path), arg0=len(path), arg1=a, arg2=b)
+        if reply.header(self.channel.timeout).arg0 != 1:
+            return False
+        self.shared = region.tensor
+        return True
 
     def finish(self, hbuf: torch.Tensor, works: list[Any], what: str, timeout: float) -> Header:
         t0 = time.monotonic()
@@ -298,7 +329,7 @@ class WireEndpoint:
             raise PSServerError(f"PS server on rank {self.dst} failed while answering {what}: {text}", text)
         if h.flags & Flag.STOP:
             self._stats.remote_stop = True
-        self._stats.bytes_received += 128 + 4 * h.numel
+        self._stats.bytes_received += 128 + 4 * (self.numel if h.flags & Flag.SHM else h.numel)
         return h
 
     def send(self, kind: int, data: torch.Tensor | None = None, hyper: torch.Tensor | None = None, **args: int) -> None:
@@ -315,10 +346,14 @@ class WireEndpoint:
         if self._open is not None:
             self._open.drain(self.channel.timeout)
         flags = 0
-        if self.bf16 is not None:
-            flags, data = Flag.BF16, self.bf16.encode(data)
+        wire: torch.Tensor | None = data
+        if self.shared is not None:
+            self._into_region(data)
+            flags, wire = Flag.SHM, None
+        elif self.bf16 is not None:
+            flags, wire = Flag.BF16, self.bf16.encode(data)
         h = Header(kind=Kind.PUSH_DATA, sender=self.channel.rank, shard=self.shard, flags=flags)
-        self._stats.bytes_sent += self.channel.send(self.dst, h, data, wait=False)
+        self._stats.bytes_sent += self.channel.send(self.dst, h, wire, wait=False)
 
     def push_pull(
         self, worker: int, data: Payload | None, hyper: torch.Tensor, into: Targets | None = None

@@ -98,6 +98,13 @@ class FlatLayout:
         device = self.staging_device(shard)
         return torch.empty(numel, dtype=torch.float32, pin_memory=device is not None and device.type == "cuda")
 
+    def use_push_buffer(self, shard: int, buf: torch.Tensor) -> None:
+        """Pack ``shard``'s pushes into ``buf`` from now on (a shared-memory region: nothing is copied again)."""
+        if buf.numel() != self.plan.shard_numel(shard) or buf.dtype != torch.float32 or buf.device.type != "cpu":
+            numel = self.plan.shard_numel(shard)
+            raise ValueError(f"shard {shard}: a push buffer must be {numel} fp32 words on the CPU")
+        self._push_bufs[shard] = buf
+
     def _push_buf(self, shard: int) -> torch.Tensor:
         out = self._push_bufs.get(shard)
         if out is None:

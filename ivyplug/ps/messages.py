@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 MAGIC = 0x1B5F_5053  # "ivy PS"
-WIRE_VERSION = 2  # 2: payloads may travel cut into segments (Flag.SPLIT, segments.py)
+WIRE_VERSION = 3  # 2: payloads may travel cut into segments (Flag.SPLIT); 3: or in shared memory (Flag.SHM)
 HEADER_LEN = 16
 
 # tags on the PS point-to-point group
@@ -55,6 +55,8 @@ class Kind:
     PUSH_DATA = 15  # the data of a push (gradients + buffers) ahead of its PUSH_PULL, which then carries no
     #                 data: sent from backward's gradient hooks (early_push.py); no reply, nothing applied yet
     REPLY = 16
+    SHM_ATTACH = 17  # map the sender's shared-memory region for this shard (shared_region.py): payload = its
+    #                  path (bytes in fp32 words, arg0 = length), arg1/arg2 = its nonce; reply arg0 = 1 if mapped
 
 
 class BatchAsk:
@@ -76,6 +78,8 @@ class Flag:
     BF16 = 2  # PUSH_PULL/PUSH_DATA/PULL: the request's payload and its reply's are bf16 pairs in fp32 words
     SPLIT = 4  # PUSH_PULL/PULL: the request's fp32 payload and its reply's travel as the shard's segments
     #            (segments.py), one message each; an error reply to such a request carries no payload
+    SHM = 8  # PUSH_PULL/PUSH_DATA/PULL: the fp32 payload and its reply's are in the sender's shared-memory
+    #          region for that shard (shared_region.py), not on the wire; an error reply carries no payload
 
 
 @dataclass

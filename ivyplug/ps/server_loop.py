@@ -9,6 +9,7 @@ peer rank, so closing is a natural rendezvous: no rank tears down while another 
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import traceback
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from ivyplug.ps import shared_region
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.messages import (
     MAX_ERROR_TEXT,
@@ -44,6 +46,7 @@ _WANTS_REPLY = (
     Kind.EPOCH,
     Kind.GATHER,
     Kind.GATHER_FETCH,
+    Kind.SHM_ATTACH,
 )
 #: requests a worker sends on a shard's endpoint only once it has read that endpoint's last reply: their
 #: arrival frees what that reply kept (Channel.reap), a shard's lent state among it
@@ -56,6 +59,10 @@ MAX_BLOB_BYTES = 1 << 34
 #: largest payloads (fp32 values, fp64 hyperparameters) a member may announce at all
 MAX_PAYLOAD = MAX_BLOB_BYTES // 4
 MAX_HYPER = 1 << 24
+#: longest path a SHM_ATTACH may name
+MAX_PATH = 4096
+
+log = logging.getLogger(__name__)
 
 
 class Rendezvous(Protocol):
@@ -112,6 +119,9 @@ class ServerLoop(threading.Thread):
         self._push_bufs: dict[tuple[int, int], torch.Tensor] = {}
         # (sender, shard) -> the flags of a PUSH_DATA waiting for its PUSH_PULL; its data is in _push_bufs
         self._held: dict[tuple[int, int], int] = {}
+        # (sender, shard) -> the sender's shared-memory region for that shard (shared_region.py): its pushes
+        # and their replies with Flag.SHM live there, not on the wire
+        self._shared: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def shard(self) -> Shard | None:
@@ -134,7 +144,7 @@ class ServerLoop(threading.Thread):
         **args: int,
     ) -> None:
         """Send an OK reply; ``keep`` (a shard state's loan) stays alive until its sends are done."""
-        flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT))
+        flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT | Flag.SHM))
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
         sent = self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1, keep=keep)
         if self.traffic is not None:
@@ -157,8 +167,9 @@ class ServerLoop(threading.Thread):
             arg3=len(blob),
         )
         stream = request.shard + 1
-        # a split request's receiver posts the payload's receives only after an OK header (transport.py)
-        zeros = None if request.flags & Flag.SPLIT else torch.zeros(self._reply_numel(request))
+        # a split request's receiver posts the payload's receives only after an OK header (transport.py); a
+        # shared-memory one posts none
+        zeros = None if request.flags & (Flag.SPLIT | Flag.SHM) else torch.zeros(self._reply_numel(request))
         self.channel.send(to, h, zeros, reply=True, wait=False, stream=stream)
         self.channel.send_error_text(to, blob, stream)
 
@@ -312,9 +323,13 @@ class ServerLoop(threading.Thread):
                 return
             r = fut.result()
             target = self.shards[request.shard]
-            snapshot: torch.Tensor | list[torch.Tensor] = r.snapshot
+            snapshot: torch.Tensor | list[torch.Tensor] | None = r.snapshot
             loan = r.loan  # the shard's state, lent: kept until the reply's sends are done
-            if request.flags & Flag.BF16:
+            if request.flags & Flag.SHM:  # the reply goes into the worker's region; only its header travels
+                self._shared_data(request).copy_(r.snapshot)
+                r.release()
+                snapshot, loan = None, None
+            elif request.flags & Flag.BF16:
                 snapshot = target.bf16.encode(r.snapshot)
                 r.release()  # the encoded copy is what travels
                 loan = None
@@ -333,6 +348,31 @@ class ServerLoop(threading.Thread):
         except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
             self._unanswered(to, send_exc)
 
+    def _attach(self, h: Header, data: torch.Tensor | None) -> bool:
+        """Map the region a SHM_ATTACH names for its sender and shard; False (staying on gloo) where it cannot
+        be: another host or another ``/dev/shm`` (no such file), or a file that is not the one announced."""
+        target = self.shards.get(h.shard)
+        if self.member is not None or target is None or data is None or not 0 < h.arg0 <= MAX_PATH:
+            return False
+        path = words_to_bytes(data, h.arg0).decode("utf-8", errors="replace")
+        try:
+            region = shared_region.attach(path, target.n_total, shared_region.nonce_bytes(h.arg1, h.arg2))
+        except (OSError, ValueError) as exc:
+            log.info("ivyplug PS: rank %d's payloads to shard %d stay on gloo: %s", h.sender, h.shard, exc)
+            return False
+        self._shared[(h.sender, h.shard)] = region
+        return True
+
+    def _shared_data(self, h: Header) -> torch.Tensor:
+        """The region a request with ``Flag.SHM`` keeps its payload in (mapped by its SHM_ATTACH)."""
+        region = self._shared.get((h.sender, h.shard))
+        if region is None:
+            raise PSProtocolError(
+                f"{self._who(h)} sent a shared-memory kind-{h.kind} request for shard {h.shard} without a "
+                "region mapped for it"
+            )
+        return region
+
     def _shard_for(self, h: Header) -> Shard:
         shard = self.shards.get(h.shard)
         if shard is None:
@@ -347,6 +387,8 @@ class ServerLoop(threading.Thread):
         w = self.member if self.member is not None else h.sender
         if h.kind in _NEEDS_SHARD:
             shard = self._shard_for(h)
+        if h.kind in (Kind.PUSH_DATA, Kind.PULL) and h.flags & Flag.SHM:
+            self._shared_data(h)  # refused now, not when its reply would be written
         if h.kind == Kind.PUSH_DATA:  # applied with its PUSH_PULL (a later one replaces it)
             self._held[(h.sender, h.shard)] = h.flags
         elif h.kind in (Kind.PUSH_PULL, Kind.PULL):
@@ -354,6 +396,8 @@ class ServerLoop(threading.Thread):
                 assert hyper is not None
                 held = self._held.pop((h.sender, h.shard), None)
                 flags = h.flags
+                if flags & Flag.SHM:  # the data is in the sender's region (ahead in a PUSH_DATA, or not)
+                    data = self._shared_data(h)
                 if data is None:  # the data came ahead, in a PUSH_DATA
                     if held is None:
                         raise PSProtocolError(
@@ -366,6 +410,8 @@ class ServerLoop(threading.Thread):
             else:
                 fut = shard.pull(w)
             fut.add_done_callback(lambda f: self._answer(to, h, f))
+        elif h.kind == Kind.SHM_ATTACH:
+            self._reply(to, h, None, arg0=int(self._attach(h, data)))
         elif h.kind == Kind.IDLE:
             if h.shard in self.shards:
                 self.shards[h.shard].idle(w)

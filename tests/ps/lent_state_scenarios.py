@@ -20,7 +20,9 @@ def fit(rank: int, world: int, mode: str, cfg: dict[str, Any] | None = None) -> 
     ``cfg``: further PSConfig options (a bf16 wire, pushes from backward's hooks)."""
     model = mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    client = PSClient.start(PSConfig(mode=mode, timeout=60.0, **(cfg or {})), list(model.named_parameters()), [], opt)
+    # replies lend the state only on the gloo wire (a shared-memory reply is a copy into the worker's region)
+    config = PSConfig(mode=mode, timeout=60.0, shared_memory=False, **(cfg or {}))
+    client = PSClient.start(config, list(model.named_parameters()), [], opt)
     try:
         client.pull_initial()
         dist.barrier()

@@ -53,7 +53,7 @@ def fit(rank: int, split: bool, turns: bool = False, nan_at: int | None = None, 
     push of that step holds a NaN in a gradient that travels in place."""
     model = Wide(seed=rank + 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
-    config = PSConfig(timeout=120.0, max_shard_bytes=5 * 2**20, **cfg)
+    config = PSConfig(timeout=120.0, max_shard_bytes=5 * 2**20, shared_memory=False, **cfg)  # the gloo wire's cut
     client = PSClient.start(config, list(model.named_parameters()), list(model.named_buffers()), opt)
     wires = [ep for ep in client.topo.endpoints.values() if isinstance(ep, WireEndpoint)]
     if not split:
@@ -138,7 +138,8 @@ def many_segments(rank: int, split: bool) -> dict[str, Any]:
     try:
         model = Deep(seed=rank)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        client = PSClient.start(PSConfig(mode="sync", timeout=60.0), list(model.named_parameters()), [], opt)
+        config = PSConfig(mode="sync", timeout=60.0, shared_memory=False)  # the gloo wire's cut
+        client = PSClient.start(config, list(model.named_parameters()), [], opt)
         if not split:
             for ep in client.topo.endpoints.values():
                 ep.segments = None

@@ -58,7 +58,7 @@ header_values = st.fixed_dictionaries(
     {
         "magic": st.sampled_from([MAGIC, MAGIC + 1, 0]),
         "version": st.sampled_from([WIRE_VERSION, WIRE_VERSION + 1]),
-        "kind": st.one_of(st.integers(0, 16), st.integers(-(2**40), 2**40)),
+        "kind": st.one_of(st.integers(0, 17), st.integers(-(2**40), 2**40)),
         "shard": st.integers(-3, 3),
         "numel": st.integers(0, 40),
         "n_hyper": st.integers(0, 12),

@@ -39,6 +39,12 @@ def _float(value: Any) -> float:
     return float(value)
 
 
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError("true or false")
+    return value
+
+
 def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError("a string")
@@ -56,6 +62,7 @@ SECTIONS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "nonfinite": _str,
         "servers": _str,
         "wire_dtype": _str,
+        "shared_memory": _bool,
     },
 }
 

@@ -123,6 +123,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         token: the secret the servers were started with (default ``$IVYPLUG_TOKEN``).
         wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: deltas (with error feedback) and pulled values
             cross the wire in bf16, half the bytes (also ``IVYPLUG_PS_WIRE_DTYPE``, ``[tool.ivyplug.ps]``).
+        shared_memory: ``True`` (default): deltas and pulls between workers on one host travel in shared
+            memory, only their headers over gloo; ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY``).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         token: str | None = None,
         wire_dtype: str | None = None,
         nonfinite: str | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         from ivyplug.settings import project_defaults
         from ivyplug.settings import token as settings_token
@@ -154,6 +157,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             token=settings_token(token),
             wire_dtype=first(wire_dtype, "wire_dtype", "float32"),
             nonfinite=first(nonfinite, "nonfinite", "skip"),
+            shared_memory=first(shared_memory, "shared_memory", True),
         )
         self.client: Any = None
         self._delta: Any = None

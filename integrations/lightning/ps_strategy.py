@@ -134,6 +134,10 @@ class IvyPSStrategy(DDPStrategy):
             Micro-batches of ``accumulate_grad_batches`` send nothing; a gradient changed after backward is
             sent again, but in-place edits of ``.grad.data`` are not seen. ``False`` (default): push at the
             step (the overlap measured slower with CPU workers, and is unmeasured on GPUs).
+        shared_memory: ``True`` (default): a worker and a co-located server on the same host keep each fp32
+            push and its reply in shared memory, and only the headers cross gloo (ranks on other hosts, CUDA
+            workers and bf16 wires stay on gloo); ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY`` or
+            ``shared_memory`` in ``[tool.ivyplug.ps]``).
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
         max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)
@@ -163,6 +167,7 @@ class IvyPSStrategy(DDPStrategy):
         token: str | None = None,
         wire_dtype: str | None = None,
         overlap_backward: bool = False,
+        shared_memory: bool | None = None,
         *,
         process_group_timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -178,7 +183,7 @@ class IvyPSStrategy(DDPStrategy):
             raise ValueError(
                 f"IvyPSStrategy got unknown keyword argument(s) {sorted(unknown)}; allowed: mode, staleness, "
                 "num_servers, staleness_scaling, timeout, max_shard_bytes, nonfinite, servers, token, wire_dtype, "
-                "overlap_backward, process_group_timeout, "
+                "overlap_backward, shared_memory, process_group_timeout, "
                 "start_method, "
                 "accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, "
                 "process_group_backend"
@@ -197,6 +202,7 @@ class IvyPSStrategy(DDPStrategy):
             token=settings_token(token),
             wire_dtype=_first(wire_dtype, project.get("wire_dtype"), "float32"),
             overlap_backward=overlap_backward,
+            shared_memory=_first(shared_memory, project.get("shared_memory"), True),
         )
         if start_method not in START_METHODS:
             raise ValueError(f"IvyPSStrategy.start_method must be one of {START_METHODS}, got {start_method!r}")

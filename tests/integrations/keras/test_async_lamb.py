@@ -55,6 +55,10 @@ def test_exchange_takes_the_project_ps_defaults_like_the_lightning_strategy(
     assert (cfg.timeout, cfg.nonfinite, cfg.staleness_scaling) == (5.0, "skip", "inverse")
     with pytest.raises(ValueError, match="nonfinite"):
         AsyncLAMBExchange(nonfinite="ignore")
+    assert AsyncLAMBExchange().config.shared_memory is True  # the twins share the option and its default
+    (tmp_path / "pyproject.toml").write_text("[tool.ivyplug.ps]\nshared_memory = false\n")
+    assert AsyncLAMBExchange().config.shared_memory is False
+    assert AsyncLAMBExchange(shared_memory=True).config.shared_memory is True
 
 
 def test_exchange_callback_refuses_another_optimizer() -> None:

@@ -148,3 +148,20 @@ def test_nonfinite_policy_from_argument_environment_and_pyproject(
     assert IvyPSStrategy(nonfinite="raise").ps_config.nonfinite == "raise"  # an argument beats both
     with pytest.raises(ValueError, match=r"PSConfig\.nonfinite must be one of \('skip', 'raise'\), got 'drop'"):
         IvyPSStrategy(nonfinite="drop")
+
+
+def test_shared_memory_from_argument_environment_and_pyproject(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """IvyPSStrategy(shared_memory=...), IVYPLUG_PS_SHARED_MEMORY, [tool.ivyplug.ps]; on by default."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("IVYPLUG_PS_SHARED_MEMORY", raising=False)
+    assert IvyPSStrategy().ps_config.shared_memory is True
+    (tmp_path / "pyproject.toml").write_text("[tool.ivyplug.ps]\nshared_memory = false\n")
+    assert Trainer(strategy="ivy_ps", accelerator="cpu", devices=2, logger=False).strategy.ps_config.shared_memory is (
+        False
+    )
+    monkeypatch.setenv("IVYPLUG_PS_SHARED_MEMORY", "true")
+    assert IvyPSStrategy().ps_config.shared_memory is True  # the environment beats the file
+    assert IvyPSStrategy(shared_memory=False).ps_config.shared_memory is False  # an argument beats both
+    monkeypatch.setenv("IVYPLUG_PS_SHARED_MEMORY", "1")
+    with pytest.raises(ValueError, match="IVYPLUG_PS_SHARED_MEMORY"):
+        IvyPSStrategy()

@@ -63,12 +63,17 @@ def ps(results: dict[str, Any], out: Path) -> Path:
     epochs.set_title("digits MLP, 2 workers: epoch time per strategy")
     bandwidth = results.get("bandwidth_gb_s") or {}
     gloo, pushpull = bandwidth.get("gloo_p2p", {}), bandwidth.get("ps_push_pull", {})
+    over_gloo = bandwidth.get("ps_push_pull_gloo", {})
     sizes = sorted(gloo, key=int)
     if sizes:
         _bars(
             wire,
             [f"{mb} MB" for mb in sizes],
-            {"gloo send/recv": [gloo[mb] for mb in sizes], "PS push+pull": [pushpull.get(mb, 0.0) for mb in sizes]},
+            {
+                "gloo send/recv": [gloo[mb] for mb in sizes],
+                "PS push+pull (shared memory)": [pushpull.get(mb, 0.0) for mb in sizes],
+                "PS push+pull (gloo alone)": [over_gloo.get(mb, 0.0) for mb in sizes],
+            },
             "GB/s (round trip)",
         )
     wire.set_title("transport on loopback, same run")

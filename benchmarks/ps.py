@@ -13,8 +13,9 @@ async's epoch time is <= 0.65x DDP's (0.5x is the overhead-free limit) at valida
 of DDP's.
 
 The same run measures the PS transport: push+pull of one 4 MB and one 64 MB shard against gloo's raw
-point-to-point loopback bandwidth for the same sizes. ``os.getloadavg()`` is recorded around every run: on a
-shared machine a load above the core count inflates every number.
+point-to-point loopback bandwidth for the same sizes, with the payloads in shared memory (the default between
+ranks of one host) and over gloo alone (``shared_memory=False``: the path between hosts). ``os.getloadavg()``
+is recorded around every run: on a shared machine a load above the core count inflates every number.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ STRATEGIES = ("ddp", "ivy_ps_sync", "ivy_ps")
 #: run without a slow worker only: the PS strategies with ``overlap_backward=True`` (the default: off)
 OVERLAPPED = ("ivy_ps_sync_overlap", "ivy_ps_overlap")
 SIZES_MB = (4, 64)
+#: the PS push+pull measured per configuration: the default (payloads in shared memory between ranks of one
+#: host) and gloo alone (``shared_memory=False``, the path between hosts)
+PS_WIRES = {"ps_push_pull": True, "ps_push_pull_gloo": False}
 TARGET_THROUGHPUT = {"ivy_ps_sync": 1.0, "ivy_ps": 1.05}
 ROUNDS = 2  # every configuration runs this many times, interleaved (full run)
 TARGET_SLOW_RATIO = 0.65
@@ -78,7 +82,7 @@ def _free_port() -> int:
 
 def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int, out: str) -> None:
     """Rank r of 2: per repetition, a gloo send/recv round trip, then a PS push+pull of one shard held by the
-    other rank (interleaved, so that drifts of foreign load hit both alike)."""
+    other rank with each of :data:`PS_WIRES` (interleaved, so that drifts of foreign load hit all alike)."""
     import torch
     import torch.distributed as dist
 
@@ -86,23 +90,25 @@ def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    results: dict[str, Any] = {"gloo_p2p": {}, "ps_push_pull": {}}
+    results: dict[str, Any] = {"gloo_p2p": {}, **{kind: {} for kind in PS_WIRES}}
     try:
         for mb in sizes_mb:
             t = torch.ones(mb * 2**20 // 4)
-            weight = torch.nn.Parameter(torch.zeros(mb * 2**20 // 4))
-            optimizer = torch.optim.SGD([weight], lr=0.0)
-            client = PSClient.start(
-                PSConfig(mode="async", timeout=120.0, max_shard_bytes=None),  # whole: every byte crosses gloo
-                [("w", weight)],
-                optimizer=optimizer,
-                rank=rank,
-                world_size=2,
-            )
+            weights, clients = {}, {}
             try:
-                owner = client.plan.nonempty_shards()[0]
-                weight.grad = torch.ones_like(weight)
-                gloo, steps = [], []
+                for kind, shared in PS_WIRES.items():
+                    weights[kind] = weight = torch.nn.Parameter(torch.zeros(mb * 2**20 // 4))
+                    clients[kind] = PSClient.start(
+                        # whole (max_shard_bytes=None): every byte goes to the other rank's shard
+                        PSConfig(mode="async", timeout=120.0, max_shard_bytes=None, shared_memory=shared),
+                        [("w", weight)],
+                        optimizer=torch.optim.SGD([weight], lr=0.0),
+                        rank=rank,
+                        world_size=2,
+                    )
+                    weight.grad = torch.ones_like(weight)
+                gloo: list[float] = []
+                steps: dict[str, list[float]] = {kind: [] for kind in PS_WIRES}
                 for i in range(reps + 2):
                     dist.barrier()
                     start = time.perf_counter()
@@ -115,27 +121,32 @@ def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int
                     elapsed = time.perf_counter() - start
                     if i >= 2 and rank == 0:
                         gloo.append(elapsed)
-                    dist.barrier()
-                    if rank != owner:  # the worker whose shard lives on the other rank: every byte crosses gloo
-                        start = time.perf_counter()
-                        client.step(num_samples=1)
-                        if i >= 2:
-                            steps.append(time.perf_counter() - start)
-                client.sync()
+                    for kind, client in clients.items():
+                        dist.barrier()
+                        if rank != client.plan.nonempty_shards()[0]:  # the worker whose shard is on the other rank
+                            start = time.perf_counter()
+                            client.step(num_samples=1)
+                            if i >= 2:
+                                steps[kind].append(time.perf_counter() - start)
+                for client in clients.values():
+                    client.sync()
                 # a round trip carries the tensor twice
                 if gloo:
                     results["gloo_p2p"][mb] = 2 * t.numel() * 4 / statistics.median(gloo) / 1e9
-                if steps:
-                    results["ps_push_pull"][mb] = 2 * weight.numel() * 4 / statistics.median(steps) / 1e9
+                for kind, times in steps.items():
+                    if times:
+                        results[kind][mb] = 2 * t.numel() * 4 / statistics.median(times) / 1e9
             finally:
-                client.close()
+                for client in clients.values():
+                    client.close()
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def measure_bandwidth(sizes_mb: tuple[int, ...] = SIZES_MB, reps: int = 5) -> dict[str, dict[int, float]]:
-    """GB/s of gloo point-to-point and of PS push+pull (one shard, remote), for each size, on loopback."""
+    """GB/s of gloo point-to-point and of PS push+pull (one shard, remote) with shared memory and over gloo
+    alone, for each size, on loopback."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +162,7 @@ def measure_bandwidth(sizes_mb: tuple[int, ...] = SIZES_MB, reps: int = 5) -> di
             for p in context.processes:
                 if p.is_alive():
                     p.kill()
-        merged: dict[str, dict[int, float]] = {"gloo_p2p": {}, "ps_push_pull": {}}
+        merged: dict[str, dict[int, float]] = {"gloo_p2p": {}, **{kind: {} for kind in PS_WIRES}}
         for rank in (0, 1):
             data = json.loads(Path(tmp, f"rank{rank}.json").read_text())
             for kind in merged:
@@ -241,8 +252,11 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"{name} (pushes from backward's hooks): throughput {s['throughput_vs_ddp'][name]:.2f}x DDP")
     bw = results["bandwidth_gb_s"]
     for mb in sorted(bw["gloo_p2p"]):
-        raw, ps = bw["gloo_p2p"][mb], bw["ps_push_pull"].get(mb)
-        ps_text = f"{ps:.2f} GB/s ({ps / raw:.2f}x gloo)" if ps is not None else "-"
-        lines.append(f"{mb:>3} MB shard: gloo p2p {raw:.2f} GB/s, PS push+pull {ps_text}")
+        raw = bw["gloo_p2p"][mb]
+        texts = []
+        for kind, label in (("ps_push_pull", "PS push+pull"), ("ps_push_pull_gloo", "over gloo alone")):
+            ps = bw.get(kind, {}).get(mb)
+            texts.append(f"{label} {ps:.2f} GB/s ({ps / raw:.2f}x gloo)" if ps is not None else f"{label} -")
+        lines.append(f"{mb:>3} MB shard: gloo p2p {raw:.2f} GB/s, " + ", ".join(texts))
     lines.append(f"load average at the end: {results['loadavg_end'][0]:.2f} on {results['cpu_count']} CPUs")
     return "\n".join(lines)

@@ -134,10 +134,10 @@ class IvyPSStrategy(DDPStrategy):
             Micro-batches of ``accumulate_grad_batches`` send nothing; a gradient changed after backward is
             sent again, but in-place edits of ``.grad.data`` are not seen. ``False`` (default): push at the
             step (the overlap measured slower with CPU workers, and is unmeasured on GPUs).
-        shared_memory: ``True`` (default): a worker and a co-located server on the same host keep each fp32
-            push and its reply in shared memory, and only the headers cross gloo (ranks on other hosts, CUDA
-            workers and bf16 wires stay on gloo); ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY`` or
-            ``shared_memory`` in ``[tool.ivyplug.ps]``).
+        shared_memory: ``True`` (default): a worker and a server on the same host (co-located, dedicated or an
+            ``ivyplug serve`` there) keep each fp32 push and its reply in shared memory, and only the headers
+            cross gloo (servers on other hosts, CUDA workers and bf16 wires stay on gloo); ``False``: gloo only
+            (also ``IVYPLUG_PS_SHARED_MEMORY`` or ``shared_memory`` in ``[tool.ivyplug.ps]``).
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
         max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)

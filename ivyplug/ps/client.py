@@ -190,9 +190,10 @@ class PSClient:
         return self
 
     def _share(self, shard: int, ep: WireEndpoint) -> bool:
-        """Keep ``shard``'s pushes and pulls in shared memory with its server (shared_region.py) where it is a
-        co-located rank on this host and the shard's tensors are packed on the CPU; True if they are."""
-        if not self.cfg.shared_memory or self._shm_failed or self.topo.link is not None:
+        """Keep ``shard``'s pushes and pulls in shared memory with its server (shared_region.py) where that
+        server is on this host (a co-located rank, dedicated servers, an ``ivyplug serve``) and the shard's
+        tensors are packed on the CPU; True if they are."""
+        if not self.cfg.shared_memory or self._shm_failed:
             return False
         if self.layout.staging_device(shard) is not None:  # CUDA: the pinned host buffer and one copy
             return False

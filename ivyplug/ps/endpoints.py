@@ -11,6 +11,7 @@ hooks, early_push.py); the ``push_pull`` without data that follows applies it.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from ivyplug.ps.segments import Segment, views
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
 from ivyplug.ps.wire_codec import Bf16Codec
+
+log = logging.getLogger(__name__)
 
 
 class PSServerError(PSProtocolError):
@@ -311,7 +314,11 @@ class WireEndpoint:
         path = region.path.encode()
         a, b = region.nonce_args
         reply = self.request(Kind.SHM_ATTACH, bytes_to_words(path), arg0=len(path), arg1=a, arg2=b)
-        if reply.header(self.channel.timeout).arg0 != 1:
+        try:
+            if reply.header(self.channel.timeout).arg0 != 1:
+                return False
+        except PSServerError as exc:  # a server that refused the request: it stays on gloo
+            log.info("ivyplug PS: payloads of shard %d stay on gloo: %s", self.shard, exc.text)
             return False
         self.shared = region.tensor
         return True

@@ -148,6 +148,8 @@ class ServerLoop(threading.Thread):
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
         sent = self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1, keep=keep)
         if self.traffic is not None:
+            if request.flags & Flag.SHM and request.kind in (Kind.PUSH_PULL, Kind.PULL):
+                sent += 4 * self._shared_data(request).numel()
             self.traffic.count(0, 0, sent)
 
     def _reply_error(self, to: int, request: Header, text: str | None = None) -> None:
@@ -203,8 +205,10 @@ class ServerLoop(threading.Thread):
                 # kept for reuse only for a push the loop will take (a refused one may name any shard or size)
                 if header.kind in _PUSHES and data is not None and refusal is None and header.shard in self.shards:
                     self._push_bufs[key] = data
-                if self.traffic is not None:
-                    nbytes = 128 + 4 * header.numel + 8 * header.n_hyper
+                if self.traffic is not None:  # a payload in shared memory counts as moved, as on gloo
+                    shared = self._shared.get(key) if header.flags & Flag.SHM and header.kind in _PUSHES else None
+                    numel = header.numel if shared is None else shared.numel()
+                    nbytes = 128 + 4 * numel + 8 * header.n_hyper
                     self.traffic.count(int(header.kind == Kind.PUSH_PULL), nbytes, 0)
             except BaseException as exc:  # the group is unusable (or, for a member, it broke the protocol)
                 self.error = exc
@@ -269,24 +273,29 @@ class ServerLoop(threading.Thread):
             raise PSProtocolError(f"worker {self.member} announced a payload of {h.numel} + {h.n_hyper} values")
         allowed = (
             Kind.PUSH_PULL, Kind.PUSH_DATA, Kind.PULL, Kind.IDLE, Kind.BYE, Kind.NEXT_BATCH, Kind.STOP,
-            Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.EPOCH, Kind.GATHER, Kind.GATHER_FETCH,
+            Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.EPOCH, Kind.GATHER, Kind.GATHER_FETCH, Kind.SHM_ATTACH,
         )  # fmt: skip
         if h.kind not in allowed:
             raise PSProtocolError(f"worker {self.member} sent a message of kind {h.kind}, which members may not send")
-        if h.kind in (*_PUSHES, Kind.PULL, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.IDLE):
+        if h.kind in (*_PUSHES, Kind.PULL, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD, Kind.IDLE, Kind.SHM_ATTACH):
             target = self.shards.get(h.shard)
             if target is None:
                 return f"worker {self.member} asked for shard {h.shard}; this server has {sorted(self.shards)}"
             words = target.bf16.words if h.flags & Flag.BF16 else target.n_total
+            shared = bool(h.flags & Flag.SHM)  # the payload is in the member's region: nothing follows
             if h.kind == Kind.PUSH_PULL:  # the data inline, or ahead in a PUSH_DATA
-                numel, n_hyper = (0 if h.numel == 0 else words), target.n_hyper
+                numel, n_hyper = (0 if h.numel == 0 or shared else words), target.n_hyper
             elif h.kind == Kind.PUSH_DATA:
-                numel = words
+                numel = 0 if shared else words
         else:
             h.shard = -1  # requests of the service itself: their replies come back on stream 0
         if h.kind in (Kind.LOAD, Kind.GATHER):
             if not 0 <= h.arg0 <= MAX_BLOB_BYTES:
                 return f"worker {self.member} announced {h.arg0} bytes"
+            numel = (h.arg0 + 3) // 4
+        if h.kind == Kind.SHM_ATTACH:
+            if not 0 < h.arg0 <= MAX_PATH:
+                return f"worker {self.member} announced a path of {h.arg0} bytes"
             numel = (h.arg0 + 3) // 4
         if h.kind in _PUSHES and (h.numel, h.n_hyper) != (numel, n_hyper):
             return (
@@ -352,7 +361,7 @@ class ServerLoop(threading.Thread):
         """Map the region a SHM_ATTACH names for its sender and shard; False (staying on gloo) where it cannot
         be: another host or another ``/dev/shm`` (no such file), or a file that is not the one announced."""
         target = self.shards.get(h.shard)
-        if self.member is not None or target is None or data is None or not 0 < h.arg0 <= MAX_PATH:
+        if target is None or data is None or not 0 < h.arg0 <= MAX_PATH:
             return False
         path = words_to_bytes(data, h.arg0).decode("utf-8", errors="replace")
         try:

@@ -1,7 +1,7 @@
 """Shared-memory payloads between a worker and a server rank on the same host.
 
 Over gloo's loopback TCP a push and its reply each cross two socket copies on the two processes' cores. A
-worker and a co-located server on one host can share the push's memory instead: the worker creates one
+worker and a server on one host can share the push's memory instead: the worker creates one
 region per remote shard (a file in ``/dev/shm``, mapped by both, unlinked once both mapped it), packs its
 push there, and the gloo header it sends says so (``Flag.SHM``); the server reads the push in place and
 writes its reply into the same region before its header goes back. gloo still carries every header, so

@@ -61,7 +61,9 @@ def dedicated_job() -> None:
     once, not after ``timeout``. Then print the server's pid and wait to be killed.
     """
     model, opt = _model()
-    client = PSClient.start(PSConfig(mode="sync", num_servers=1, timeout=60.0), list(model.named_parameters()), [], opt)
+    # over gloo: a shared-memory endpoint refuses a push of the wrong size itself, before anything is sent
+    cfg = PSConfig(mode="sync", num_servers=1, timeout=60.0, shared_memory=False)
+    client = PSClient.start(cfg, list(model.named_parameters()), [], opt)
     client.pull_initial()
     hyper = torch.cat([torch.tensor([-1.0, 4.0], dtype=torch.float64), client.spec.encode(opt)])
     t0 = time.monotonic()
@@ -78,9 +80,11 @@ def dedicated_job() -> None:
 
 def parked_push_refused(rank: int, world: int) -> dict[str, Any]:
     """sync, 2 workers, one dedicated server. Rank 1's push is parked (waiting for rank 0's); rank 0 then
-    sends a push the server refuses, which fails the shard: rank 1 must get an error reply at once."""
+    sends a push the server refuses, which fails the shard: rank 1 must get an error reply at once (over
+    gloo: a shared-memory endpoint refuses a push of the wrong size itself, before anything is sent)."""
     model, opt = _model()
-    client = PSClient.start(PSConfig(mode="sync", num_servers=1, timeout=30.0), list(model.named_parameters()), [], opt)
+    cfg = PSConfig(mode="sync", num_servers=1, timeout=30.0, shared_memory=False)
+    client = PSClient.start(cfg, list(model.named_parameters()), [], opt)
     client.pull_initial()
     dist.barrier()
     out: dict[str, Any] = {}

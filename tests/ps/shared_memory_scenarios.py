@@ -59,6 +59,12 @@ def fit(
                 if turns:
                     dist.barrier()
         client.sync()
+        refused = None
+        if wires and wires[0].shared is not None:  # a push of another size is refused before anything is sent
+            try:
+                wires[0].push_pull(client.rank, torch.zeros(3), torch.zeros(1, dtype=torch.float64))
+            except ValueError as exc:
+                refused = str(exc)
         return {
             "params": [p.detach().clone() for p in model.parameters()],
             "buffers": [b.detach().clone() for b in model.buffers()],
@@ -66,6 +72,7 @@ def fit(
             "wires": len(wires),
             "segments": sum(ep.segments is not None for ep in wires),
             "leftovers": leftovers,
+            "refused": refused,
             "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
             **client.metrics(),
         }
@@ -90,6 +97,9 @@ def session(rank: int, world: int) -> dict[str, Any]:
         "ssp_turns": {"mode": "ssp", "staleness": 1, "turns": True},
         "nan": {"nan_at": 2},
         "clip_async_turns": {"mode": "async", "turns": True, "clip": 0.05},  # pushes scaled as they are packed
+        "dedicated": {"num_servers": 1},  # one server process of the job's own: both ranks' shards across the wire
+        "dedicated_async_turns": {"mode": "async", "turns": True, "num_servers": 1},
+        "dedicated_overlap": {"num_servers": 1, "overlap_backward": True},
     }
     for name, kw in cases.items():
         out[name] = {shared: fit(rank, shared, **kw) for shared in (True, False)}

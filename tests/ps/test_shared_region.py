@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,17 @@ def runs() -> list[dict[str, Any]]:
     return run_workers(shared_memory_scenarios.session, 2, timeout=280)
 
 
-CASES = ["sync", "sync_overlap", "async_turns", "ssp_turns", "nan", "clip_async_turns"]
+CASES = [
+    "sync",
+    "sync_overlap",
+    "async_turns",
+    "ssp_turns",
+    "nan",
+    "clip_async_turns",
+    "dedicated",
+    "dedicated_async_turns",
+    "dedicated_overlap",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -103,6 +114,7 @@ def test_shared_memory_and_gloo_fits_are_equal_bit_for_bit(runs: list[dict[str, 
         for a, b in zip(shm["params"] + shm["buffers"], gloo["params"] + gloo["buffers"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert shm["pushes"] == gloo["pushes"] == shared_memory_scenarios.STEPS
+        assert re.fullmatch(r"shard \d+: a shared-memory push is one flat tensor of \d+ values", shm["refused"])
         # a push moves its bytes whichever way they travel
         assert shm["bytes_sent"] == pytest.approx(gloo["bytes_sent"], rel=0.05)
 

@@ -107,7 +107,6 @@ from ivyplug.load import (
     Probe,
     Sampler,
     ScriptedProbe,
-    Stat,
     StepCost,
     default_batch_bounds,
     default_probes,
@@ -453,10 +452,10 @@ class IvyLoadBalancer(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
         assert self.sampler is not None
+        # one reading at the epoch's end, as the Lightning twin takes: an epoch shorter than the sampling
+        # interval has one then, and never a reading of the epoch before (the window dropped those)
+        self.sampler.sample_now()
         summary = self.sampler.summary()
-        if not summary:  # an epoch shorter than the sampling interval: the latest background reading
-            latest = self.sampler.latest() or self.sampler.sample_now()  # reads on this thread only before any
-            summary = {k: Stat(v, v, v, v, 1) for k, v in latest.items()}
         local = observation_from_summary(summary, self.device_index, self._epoch_ooms)
         workers = self._exchange(local)
         observation = _combine(workers)

@@ -69,6 +69,7 @@ class Sampler:
         self._lock = threading.Lock()
         self._latest: Readings = {}
         self._window: dict[str, _Acc] = {}
+        self._generation = 0  # bumped by reset_window(): a read begun before it belongs to the window before
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.samples = 0
@@ -95,7 +96,12 @@ class Sampler:
             self._stop.wait(self.interval)
 
     def sample_now(self) -> Readings:
-        """Read every active probe once (on the calling thread) and fold the result into the window."""
+        """Read every active probe once (on the calling thread) and fold the result into the window.
+
+        A read that began before the last ``reset_window()`` updates ``latest()`` only: it describes the window
+        before (the last epoch's memory peak must not open the next epoch's window)."""
+        with self._lock:
+            generation = self._generation
         merged: Readings = {}
         for probe in list(self._active):
             try:
@@ -107,6 +113,8 @@ class Sampler:
             self.samples += 1
             self.sample_thread_ids.add(threading.get_ident())
             self._latest.update(merged)
+            if generation != self._generation:
+                return merged
             for key, value in merged.items():
                 acc = self._window.get(key)
                 if acc is None:
@@ -129,6 +137,7 @@ class Sampler:
         """Start a new statistics window (for example at the start of an epoch)."""
         with self._lock:
             self._window.clear()
+            self._generation += 1
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread and close the probes; raises if the thread does not stop within ``timeout``."""

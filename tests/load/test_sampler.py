@@ -86,3 +86,38 @@ def test_window_statistics_and_broken_probe(caplog: pytest.LogCaptureFixture) ->
     assert s.summary() == {}
     assert s.latest() == {"util": 20.0, "mem": 0.1}
     s.close()
+
+
+class Gated(ThreadRecorder):
+    """A read that waits, mid-read, until the test lets it finish (a slow NVML call at an epoch boundary)."""
+
+    name = "gated"
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def read(self) -> dict[str, float]:
+        self.entered.set()
+        assert self.go.wait(10)
+        return {"mem": self.value}
+
+
+def test_a_read_begun_before_a_window_reset_stays_out_of_the_new_window() -> None:
+    """The last epoch's peak, read just before the next epoch's reset, must not count as the next epoch's."""
+    probe = Gated(0.95)
+    s = Sampler([probe], interval=1.0, start=False)
+    reader = threading.Thread(target=s.sample_now)
+    reader.start()
+    assert probe.entered.wait(10)
+    s.reset_window()  # the next epoch begins while the read is under way
+    probe.go.set()
+    reader.join(10)
+    assert s.summary() == {}
+    assert s.latest() == {"mem": 0.95}  # still the latest reading
+    probe.value = 0.7
+    s.sample_now()  # read after the reset: it counts
+    assert s.summary()["mem"].max == 0.7 and s.summary()["mem"].count == 1
+    s.close()

@@ -59,6 +59,11 @@ def serve(host: str, num_shards: int, num_workers: int, token: str, timeout: flo
     service.emptied.wait()
     print("[ivyplug.ps] dedicated server: every worker of its job has left, exiting", file=sys.stderr, flush=True)
     service.close()
+    # Nothing is left to do; skip the interpreter's teardown, where destroying the members' gloo groups and the
+    # store aborted the process (SIGABRT: "terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(host: str, num_shards: int, num_workers: int, token: str, timeout: float) -> tuple[Any, int]:

@@ -307,6 +307,20 @@ def test_a_failing_dedicated_server_sends_its_error_text_back() -> None:
         client.close()
 
 
+def test_a_dedicated_server_process_exits_cleanly_once_its_job_closed(capfd: pytest.CaptureFixture[str]) -> None:
+    """Exit code 0 and no abort: the interpreter's teardown used to abort it (SIGABRT, "terminate called")."""
+    model = mlp(seed=0)
+    client = start(model, make_opt("sgd", model.parameters()), mode="async", num_servers=1, timeout=60.0)
+    procs = list(client.server_procs)
+    assert procs
+    client.close()
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+    err = capfd.readouterr().err
+    assert "every worker of its job has left" in err and "terminate called" not in err
+
+
 def test_integer_buffers_travel_as_exact_int64() -> None:
     model = torch.nn.BatchNorm1d(3)
     model.num_batches_tracked.fill_(2**40 + 1)  # fp32 would round this to 2**40

@@ -94,10 +94,10 @@ def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int
     try:
         for mb in sizes_mb:
             t = torch.ones(mb * 2**20 // 4)
-            weights, clients = {}, {}
+            clients: dict[str, PSClient] = {}
             try:
                 for kind, shared in PS_WIRES.items():
-                    weights[kind] = weight = torch.nn.Parameter(torch.zeros(mb * 2**20 // 4))
+                    weight = torch.nn.Parameter(torch.zeros(mb * 2**20 // 4))
                     clients[kind] = PSClient.start(
                         # whole (max_shard_bytes=None): every byte goes to the other rank's shard
                         PSConfig(mode="async", timeout=120.0, max_shard_bytes=None, shared_memory=shared),
@@ -107,6 +107,8 @@ def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int
                         world_size=2,
                     )
                     weight.grad = torch.ones_like(weight)
+                # the worker whose shard lives on the other rank steps: every byte goes there and back
+                stepping = {kind: rank != client.plan.nonempty_shards()[0] for kind, client in clients.items()}
                 gloo: list[float] = []
                 steps: dict[str, list[float]] = {kind: [] for kind in PS_WIRES}
                 for i in range(reps + 2):
@@ -123,7 +125,7 @@ def _bandwidth_worker(rank: int, port: int, sizes_mb: tuple[int, ...], reps: int
                         gloo.append(elapsed)
                     for kind, client in clients.items():
                         dist.barrier()
-                        if rank != client.plan.nonempty_shards()[0]:  # the worker whose shard is on the other rank
+                        if stepping[kind]:
                             start = time.perf_counter()
                             client.step(num_samples=1)
                             if i >= 2:

@@ -303,7 +303,10 @@ class WireEndpoint:
         sent: the bytes a push moves, whichever way they travel."""
         assert self.shared is not None
         if not isinstance(data, torch.Tensor) or data.numel() != self.numel:
-            raise ValueError(f"shard {self.shard}: a shared-memory push is one flat tensor of {self.numel} values")
+            got = f"a tensor of {data.numel()} values" if isinstance(data, torch.Tensor) else f"{len(data)} parts"
+            raise ValueError(
+                f"shard {self.shard}: a shared-memory push is one flat tensor of {self.numel} values, got {got}"
+            )
         if data.data_ptr() != self.shared.data_ptr():
             self.shared.copy_(data)
         self._stats.bytes_sent += 4 * self.numel

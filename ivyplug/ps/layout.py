@@ -100,9 +100,12 @@ class FlatLayout:
 
     def use_push_buffer(self, shard: int, buf: torch.Tensor) -> None:
         """Pack ``shard``'s pushes into ``buf`` from now on (a shared-memory region: nothing is copied again)."""
-        if buf.numel() != self.plan.shard_numel(shard) or buf.dtype != torch.float32 or buf.device.type != "cpu":
-            numel = self.plan.shard_numel(shard)
-            raise ValueError(f"shard {shard}: a push buffer must be {numel} fp32 words on the CPU")
+        numel = self.plan.shard_numel(shard)
+        if buf.numel() != numel or buf.dtype != torch.float32 or buf.device.type != "cpu":
+            raise ValueError(
+                f"shard {shard}: a push buffer must be {numel} fp32 words on the CPU, got {buf.numel()} "
+                f"{buf.dtype} on {buf.device}"
+            )
         self._push_bufs[shard] = buf
 
     def _push_buf(self, shard: int) -> torch.Tensor:

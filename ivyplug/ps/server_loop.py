@@ -148,9 +148,7 @@ class ServerLoop(threading.Thread):
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
         sent = self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1, keep=keep)
         if self.traffic is not None:
-            if request.flags & Flag.SHM and request.kind in (Kind.PUSH_PULL, Kind.PULL):
-                sent += 4 * self._shared_data(request).numel()
-            self.traffic.count(0, 0, sent)
+            self.traffic.count(0, 0, sent + 4 * self._shared_words(request))  # a reply into the region
 
     def _reply_error(self, to: int, request: Header, text: str | None = None) -> None:
         """An ERROR reply carrying a zero payload of the size the requester posted a receive for, so that
@@ -205,9 +203,8 @@ class ServerLoop(threading.Thread):
                 # kept for reuse only for a push the loop will take (a refused one may name any shard or size)
                 if header.kind in _PUSHES and data is not None and refusal is None and header.shard in self.shards:
                     self._push_bufs[key] = data
-                if self.traffic is not None:  # a payload in shared memory counts as moved, as on gloo
-                    shared = self._shared.get(key) if header.flags & Flag.SHM and header.kind in _PUSHES else None
-                    numel = header.numel if shared is None else shared.numel()
+                if self.traffic is not None:
+                    numel = header.numel + (self._shared_words(header) if header.kind in _PUSHES else 0)
                     nbytes = 128 + 4 * numel + 8 * header.n_hyper
                     self.traffic.count(int(header.kind == Kind.PUSH_PULL), nbytes, 0)
             except BaseException as exc:  # the group is unusable (or, for a member, it broke the protocol)
@@ -372,6 +369,12 @@ class ServerLoop(threading.Thread):
         self._shared[(h.sender, h.shard)] = region
         return True
 
+    def _shared_words(self, h: Header) -> int:
+        """fp32 words a shared-memory request's payload (or its reply's) moved through its region, for the
+        traffic count (as they would count on gloo); 0 for any other request."""
+        region = self._shared.get((h.sender, h.shard)) if h.flags & Flag.SHM else None
+        return 0 if region is None else region.numel()
+
     def _shared_data(self, h: Header) -> torch.Tensor:
         """The region a request with ``Flag.SHM`` keeps its payload in (mapped by its SHM_ATTACH)."""
         region = self._shared.get((h.sender, h.shard))
@@ -396,8 +399,8 @@ class ServerLoop(threading.Thread):
         w = self.member if self.member is not None else h.sender
         if h.kind in _NEEDS_SHARD:
             shard = self._shard_for(h)
-        if h.kind in (Kind.PUSH_DATA, Kind.PULL) and h.flags & Flag.SHM:
-            self._shared_data(h)  # refused now, not when its reply would be written
+        if h.kind in (*_PUSHES, Kind.PULL) and h.flags & Flag.SHM:
+            data = self._shared_data(h)  # the sender's region (refused now if it has none, not at the reply)
         if h.kind == Kind.PUSH_DATA:  # applied with its PUSH_PULL (a later one replaces it)
             self._held[(h.sender, h.shard)] = h.flags
         elif h.kind in (Kind.PUSH_PULL, Kind.PULL):
@@ -405,8 +408,6 @@ class ServerLoop(threading.Thread):
                 assert hyper is not None
                 held = self._held.pop((h.sender, h.shard), None)
                 flags = h.flags
-                if flags & Flag.SHM:  # the data is in the sender's region (ahead in a PUSH_DATA, or not)
-                    data = self._shared_data(h)
                 if data is None:  # the data came ahead, in a PUSH_DATA
                     if held is None:
                         raise PSProtocolError(

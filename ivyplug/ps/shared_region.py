@@ -32,11 +32,6 @@ _NAME = re.compile(r"ivyplug-ps-[0-9]+-[0-9a-f]{16}")
 NONCE_WORDS = 4
 
 
-def available() -> bool:
-    """Whether this host has a shared-memory directory regions can be created in."""
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-
-
 @dataclass
 class Region:
     """A worker's region: ``tensor`` (the payload words) and what a server needs to map it."""

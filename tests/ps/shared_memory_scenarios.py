@@ -88,20 +88,23 @@ def _not_here(path: str, numel: int, nonce: bytes) -> torch.Tensor:
     raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
 
 
+#: each fitted with shared memory and over gloo alone (the fit's options)
+CASES: dict[str, dict[str, Any]] = {
+    "sync": {},
+    "sync_overlap": {"overlap_backward": True},
+    "async_turns": {"mode": "async", "turns": True},
+    "ssp_turns": {"mode": "ssp", "staleness": 1, "turns": True},
+    "nan": {"nan_at": 2},
+    "clip_async_turns": {"mode": "async", "turns": True, "clip": 0.05},  # pushes scaled as they are packed
+    "dedicated": {"num_servers": 1},  # one server process of the job's own: both ranks' shards across the wire
+    "dedicated_async_turns": {"mode": "async", "turns": True, "num_servers": 1},
+    "dedicated_overlap": {"num_servers": 1, "overlap_backward": True},
+}
+
+
 def session(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    cases: dict[str, dict[str, Any]] = {
-        "sync": {},
-        "sync_overlap": {"overlap_backward": True},
-        "async_turns": {"mode": "async", "turns": True},
-        "ssp_turns": {"mode": "ssp", "staleness": 1, "turns": True},
-        "nan": {"nan_at": 2},
-        "clip_async_turns": {"mode": "async", "turns": True, "clip": 0.05},  # pushes scaled as they are packed
-        "dedicated": {"num_servers": 1},  # one server process of the job's own: both ranks' shards across the wire
-        "dedicated_async_turns": {"mode": "async", "turns": True, "num_servers": 1},
-        "dedicated_overlap": {"num_servers": 1, "overlap_backward": True},
-    }
-    for name, kw in cases.items():
+    for name, kw in CASES.items():
         out[name] = {shared: fit(rank, shared, **kw) for shared in (True, False)}
     create, attach = shared_region.create, shared_region.attach
     try:

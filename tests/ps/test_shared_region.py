@@ -26,7 +26,9 @@ from tests.ps.harness import run_workers
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not shared_region.available(), reason=f"needs a writable {shared_region.SHM_DIR}"),
+    pytest.mark.skipif(
+        not os.access(shared_region.SHM_DIR, os.W_OK), reason=f"needs a writable {shared_region.SHM_DIR}"
+    ),
 ]
 
 
@@ -91,20 +93,7 @@ def runs() -> list[dict[str, Any]]:
     return run_workers(shared_memory_scenarios.session, 2, timeout=280)
 
 
-CASES = [
-    "sync",
-    "sync_overlap",
-    "async_turns",
-    "ssp_turns",
-    "nan",
-    "clip_async_turns",
-    "dedicated",
-    "dedicated_async_turns",
-    "dedicated_overlap",
-]
-
-
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(shared_memory_scenarios.CASES))
 def test_shared_memory_and_gloo_fits_are_equal_bit_for_bit(runs: list[dict[str, Any]], case: str) -> None:
     for r in runs:
         shm, gloo = r[case][True], r[case][False]
@@ -114,7 +103,10 @@ def test_shared_memory_and_gloo_fits_are_equal_bit_for_bit(runs: list[dict[str, 
         for a, b in zip(shm["params"] + shm["buffers"], gloo["params"] + gloo["buffers"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert shm["pushes"] == gloo["pushes"] == shared_memory_scenarios.STEPS
-        assert re.fullmatch(r"shard \d+: a shared-memory push is one flat tensor of \d+ values", shm["refused"])
+        assert re.fullmatch(
+            r"shard \d+: a shared-memory push is one flat tensor of \d+ values, got a tensor of 3 values",
+            shm["refused"],
+        )
         # a push moves its bytes whichever way they travel
         assert shm["bytes_sent"] == pytest.approx(gloo["bytes_sent"], rel=0.05)
 
@@ -146,3 +138,38 @@ def test_a_region_the_worker_cannot_make_warns_and_stays_on_gloo(runs: list[dict
     for r in runs:
         for a, b in zip(r["no_space"]["params"], r["sync"][True]["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_ivyplug_serve_counts_shared_payloads_as_moved() -> None:
+    """The serve's status line counts a push and its reply through a region as it would on gloo: the same
+    bytes in and out with and without shared memory (the control: only the shared client shares)."""
+    from ivyplug.ps import PSClient
+    from ivyplug.ps.endpoints import WireEndpoint
+    from ivyplug.ps.service import PSService
+
+    svc = PSService(1, port=0, num_workers=1, timeout=30, status_every=None, log=lambda line: None)
+    try:
+        counts = {}
+        for shared in (True, False):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(40, 30)
+            cfg = PSConfig(mode="async", servers=svc.address, timeout=30, shared_memory=shared)
+            client = PSClient.start(
+                cfg, list(model.named_parameters()), [], torch.optim.SGD(model.parameters(), lr=0.1)
+            )
+            try:
+                client.pull_initial()
+                svc.traffic.take()
+                for _ in range(3):
+                    model(torch.randn(4, 40)).sum().backward()
+                    client.step(4)
+                counts[shared] = svc.traffic.take()
+                wires = [ep for ep in client.topo.endpoints.values() if isinstance(ep, WireEndpoint)]
+                assert [ep.shared is not None for ep in wires] == [shared]
+            finally:
+                client.close()
+        pushes, bytes_in, bytes_out = counts[True]
+        assert counts[True] == counts[False] and pushes == 3
+        assert bytes_in > 3 * 4 * (40 * 30 + 30) and bytes_out > 3 * 4 * (40 * 30 + 30)
+    finally:
+        svc.close()

@@ -143,19 +143,30 @@ def main() -> None:
         callbacks=[clock],
     )
     trainer.fit(model, DataLoader(train, batch_size=args.batch, shuffle=True), DataLoader(val, batch_size=512))
-    if trainer.global_rank != 0:
-        return
+    try:
+        if trainer.global_rank == 0:
+            _write_result(args, trainer, model, clock, len(train))
+    finally:
+        # Lightning's DDP leaves gloo's default group to the interpreter's teardown, which aborts now and then
+        # (SIGABRT: "terminate called without an active exception"); the PS strategies destroy theirs
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _write_result(
+    args: argparse.Namespace, trainer: pl.Trainer, model: BenchMLP, clock: EpochClock, train_samples: int
+) -> None:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     ps_bytes = sum(v for k, v in metrics.items() if k.startswith("ivy/") and k.endswith("bytes_sent"))
     params = sum(p.numel() for p in model.parameters())
-    steps_per_rank = len(train) / (2 * args.batch)
+    steps_per_rank = train_samples / (2 * args.batch)
     result = {
         "strategy": args.strategy,
         "slowdown": args.slowdown,
         "epochs": args.epochs,
         "repeat": args.repeat,
         "batch": args.batch,
-        "train_samples": len(train),
+        "train_samples": train_samples,
         "epoch_times": clock.times,
         "epoch_cpu_seconds": clock.cpu_all_ranks,  # CPU seconds of both worker processes per train epoch
         "val_acc": metrics.get("val_acc"),

@@ -180,6 +180,7 @@ class Shard:
         # worker -> (samples, grads, buffers, hyper, has-gradient mask); grads/buffers None when dropped
         self._sync_pushes: dict[int, _SyncPush] = {}
         self._sync_combined: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, list[bool]] | None = None
+        self._combined: torch.Tensor | None = None  # where several pushes are combined (_combined_grads)
         self._norms: dict[int, dict[int, float]] = {}
         self._grad_sq = math.nan  # the last sync step's combined-gradient squared norm (Reply.grad_sq)
         self._parked: list[tuple[int, int, Future[Reply]]] = []  # (worker, staleness, reply) not yet ready
@@ -201,7 +202,13 @@ class Shard:
 
     # -- requests ----------------------------------------------------------------------------------
     def push_pull(self, worker: int, data: torch.Tensor, hyper: torch.Tensor) -> Future[Reply]:
-        """Take ``worker``'s push; the reply is its pull once the mode allows (at once in async)."""
+        """Take ``worker``'s push; the reply is its pull once the mode allows (at once in async).
+
+        ``data`` and ``hyper`` are read, not copied: they must stay unchanged until the reply is resolved (a
+        sync step keeps them until its last push arrives). Every caller passes buffers that only the reply
+        frees: the worker's packed push or its shared region, or the server loop's receive buffer for that
+        worker, which takes that worker's next request only after it has read this reply.
+        """
         fut: Future[Reply] = Future()
         with self._lock:
             try:
@@ -387,8 +394,8 @@ class Shard:
         if self.cfg.mode == "sync":
             if worker in self._sync_pushes:
                 raise PushRefused(f"shard {self.shard}: worker {worker} pushed twice in step {self.version}")
-            kept = (None, None) if skipped else (grads.clone(), bufs.clone())
-            self._sync_pushes[worker] = (num_samples, *kept, hyper.clone(), self._has_grad(hyper))
+            kept = (None, None) if skipped else (grads, bufs)  # not copied: see push_pull
+            self._sync_pushes[worker] = (num_samples, *kept, hyper, self._has_grad(hyper))
             self.clock[worker] += 1
             if len(self._sync_pushes) == self.num_workers:
                 self._combine_sync()
@@ -437,13 +444,16 @@ class Shard:
             grads, bufs = self._sync_pushes[counted[0]][1], self._sync_pushes[counted[0]][2]
             assert grads is not None and bufs is not None
         else:
-            grads = torch.zeros(self.n_param, dtype=torch.float32)
+            grads = self._combined_grads()
             acc = torch.zeros(self.n_total - self.n_param, dtype=torch.float64)
             pushed = []
-            for w in counted:
+            for i, w in enumerate(counted):
                 n, g, b, _, _ = self._sync_pushes[w]
                 assert g is not None and b is not None
-                grads.add_(g, alpha=n)  # a worker without a gradient for a param pushed zeros there
+                if i == 0:  # n * g, as 0 + n * g would give it, without zeroing the buffer first
+                    torch.mul(g, n, out=grads)
+                else:
+                    grads.add_(g, alpha=n)  # a worker without a gradient for a param pushed zeros there
                 acc.add_(b.double(), alpha=n)
                 pushed.append(b)
             grads.div_(total)
@@ -460,6 +470,14 @@ class Shard:
             if set(self.plan.nonempty_shards()) - {self.shard}:
                 self._norms_out.append((self.version, sq))
         self._try_apply_sync()
+
+    def _combined_grads(self) -> torch.Tensor:
+        """The buffer a sync step's combined gradient is written to, allocated once: one step is combined and
+        applied before the next can start (every worker's push is needed), and a fresh multi-MB tensor per
+        step costs a page fault per 4 KiB on first touch."""
+        if self._combined is None:
+            self._combined = torch.empty(self.n_param, dtype=torch.float32)
+        return self._combined
 
     def _note_norm(self, step: int, shard: int, sq: float) -> None:
         self._norms.setdefault(step, {})[shard] = sq

@@ -1,6 +1,6 @@
 """``ivyplug bench ps``: the parameter server against DDP, with and without a 3x slower worker.
 
-Side by side in one run, each configuration twice in interleaved rounds (a single 4-epoch run moves by 10-20%
+Side by side in one run, each configuration three times in interleaved rounds (a single 4-epoch run moves by 10-20%
 on a quiet machine), 2 workers on this machine's CPU cores: ``ddp``, ``ivy_ps_sync`` and ``ivy_ps`` (async),
 each without a slow worker and with rank 1 simulated as a device 3x slower at compute (it sleeps (k-1) x 3 x
 its measured forward time every step). Compute-bound setting: the digits MLP 64-1024-1024-10 at batch 256 per
@@ -42,7 +42,7 @@ SIZES_MB = (4, 64)
 #: host) and gloo alone (``shared_memory=False``, the path between hosts)
 PS_WIRES = {"ps_push_pull": True, "ps_push_pull_gloo": False}
 TARGET_THROUGHPUT = {"ivy_ps_sync": 1.0, "ivy_ps": 1.05}
-ROUNDS = 2  # every configuration runs this many times, interleaved (full run)
+ROUNDS = 3  # every configuration runs this many times, interleaved (full run)
 TARGET_SLOW_RATIO = 0.65
 TARGET_ACC_POINTS = 1.0
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
 
 from tests.ps.diffs import max_abs_diff as _max_abs_diff
 
@@ -26,6 +28,19 @@ def quiet_trainer(strategy: Any, devices: int, **kwargs: Any) -> Trainer:
         num_sanity_val_steps=0,
         **kwargs,
     )
+
+
+class SpawnedDDP(DDPStrategy):
+    """Lightning's DDP as the tests' control, for spawned workers (``start_method="spawn"``): each destroys gloo's
+    default group when its stage ends. Lightning leaves it to the interpreter's teardown, which now and then
+    aborts the worker (SIGABRT, "terminate called without an active exception") after its fit succeeded;
+    ivyplug's strategies destroy theirs the same way."""
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 @contextmanager

@@ -15,12 +15,11 @@ import pytest
 import torch
 from ivyplug.integrations.lightning import IvyPSStrategy
 from lightning.pytorch import seed_everything
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from .digits import digits_tensors
-from .helpers import max_abs_diff, params_of, quiet_trainer, reaped_children
+from .helpers import SpawnedDDP, max_abs_diff, params_of, quiet_trainer, reaped_children
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -64,7 +63,7 @@ def test_sync_unused_and_conditionally_used_layers_match_ddp_find_unused_paramet
     fits = {}
     for name, strategy in (
         ("ps", IvyPSStrategy(mode="sync", start_method="spawn", timeout=60)),
-        ("ddp", DDPStrategy(find_unused_parameters=True, start_method="spawn")),
+        ("ddp", SpawnedDDP(find_unused_parameters=True, start_method="spawn")),
     ):
         model = copy.deepcopy(init)
         with reaped_children():

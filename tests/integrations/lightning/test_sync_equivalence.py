@@ -18,7 +18,7 @@ from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from .digits import DigitsMLP, digits_tensors
-from .helpers import max_abs_diff, params_of, quiet_trainer, reaped_children, reference_training
+from .helpers import SpawnedDDP, max_abs_diff, params_of, quiet_trainer, reaped_children, reference_training
 
 pytestmark = [pytest.mark.timeout(290), pytest.mark.slow]
 
@@ -121,7 +121,8 @@ def test_sync_lamb_clip_steplr_equals_single_process_and_ddp() -> None:
     x, y, _, _ = digits_tensors()
     expected = reference_training(init, _lamb_with_step_lr, x[:512], y[:512], 2, BATCH, world_size=2, clip=0.5, seed=1)
     fits = {}
-    for name, strategy in (("ps", IvyPSStrategy(mode="sync", start_method="spawn", timeout=60)), ("ddp", "ddp_spawn")):
+    ddp = SpawnedDDP(start_method="spawn")
+    for name, strategy in (("ps", IvyPSStrategy(mode="sync", start_method="spawn", timeout=60)), ("ddp", ddp)):
         model = copy.deepcopy(init)
         with reaped_children():
             quiet_trainer(strategy, devices=2, max_epochs=2, gradient_clip_val=0.5, limit_val_batches=0).fit(model)

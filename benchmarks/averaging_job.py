@@ -170,10 +170,16 @@ def main() -> None:
     # config runs with subnormals flushed to zero, as GPUs and tuned CPU training run.
     torch.set_flush_denormal(True)
     results = []
-    for config in args.configs:
-        result = run_config(config, args.setting, args.slowdown, args.epochs)
-        if result is not None:
-            results.append(result)
+    try:
+        for config in args.configs:
+            result = run_config(config, args.setting, args.slowdown, args.epochs)
+            if result is not None:
+                results.append(result)
+    finally:
+        # Lightning's DDP leaves gloo's default group to the interpreter's teardown, which aborts now and then
+        # (SIGABRT: "terminate called without an active exception") after the results are in
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     if results:
         args.out.write_text(json.dumps({"runs": results}, indent=2))
 

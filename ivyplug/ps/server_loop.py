@@ -22,6 +22,7 @@ import torch
 from ivyplug.ps import shared_region
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.messages import (
+    HEADER_LEN,
     MAX_ERROR_TEXT,
     BatchAsk,
     Flag,
@@ -63,6 +64,11 @@ MAX_HYPER = 1 << 24
 MAX_PATH = 4096
 
 log = logging.getLogger(__name__)
+
+
+def _message_bytes(numel: int, n_hyper: int = 0) -> int:
+    """Bytes one message moves: its header, ``numel`` fp32 words and ``n_hyper`` fp64 values (as sent)."""
+    return 8 * HEADER_LEN + 4 * numel + 8 * n_hyper
 
 
 class Rendezvous(Protocol):
@@ -146,9 +152,11 @@ class ServerLoop(threading.Thread):
         """Send an OK reply; ``keep`` (a shard state's loan) stays alive until its sends are done."""
         flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT | Flag.SHM))
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
-        sent = self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1, keep=keep)
-        if self.traffic is not None:
-            self.traffic.count(0, 0, sent + 4 * self._shared_words(request))  # a reply into the region
+        if self.traffic is not None:  # before the send: its worker may read the reply before the send returns
+            parts = [] if data is None else [data] if isinstance(data, torch.Tensor) else data
+            numel = sum(t.numel() for t in parts) + self._shared_words(request)  # a reply into the region too
+            self.traffic.count(0, 0, _message_bytes(numel))
+        self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1, keep=keep)
 
     def _reply_error(self, to: int, request: Header, text: str | None = None) -> None:
         """An ERROR reply carrying a zero payload of the size the requester posted a receive for, so that
@@ -205,7 +213,7 @@ class ServerLoop(threading.Thread):
                     self._push_bufs[key] = data
                 if self.traffic is not None:
                     numel = header.numel + (self._shared_words(header) if header.kind in _PUSHES else 0)
-                    nbytes = 128 + 4 * numel + 8 * header.n_hyper
+                    nbytes = _message_bytes(numel, header.n_hyper)
                     self.traffic.count(int(header.kind == Kind.PUSH_PULL), nbytes, 0)
             except BaseException as exc:  # the group is unusable (or, for a member, it broke the protocol)
                 self.error = exc

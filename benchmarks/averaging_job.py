@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from ivyplug.benchmarks.ps_job import EpochClock, digits, slow_down
+from ivyplug.integrations.lightning.launchers import destroy_default_group
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -176,10 +177,7 @@ def main() -> None:
             if result is not None:
                 results.append(result)
     finally:
-        # Lightning's DDP leaves gloo's default group to the interpreter's teardown, which aborts now and then
-        # (SIGABRT: "terminate called without an active exception") after the results are in
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_default_group()  # Lightning's DDP leaves it to the interpreter's teardown
     if results:
         args.out.write_text(json.dumps({"runs": results}, indent=2))
 

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from ivyplug.benchmarks.ps_job import slow_down
 from ivyplug.integrations.lightning import IvyLoadBalancer
+from ivyplug.integrations.lightning.launchers import destroy_default_group
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -138,8 +139,7 @@ def main() -> None:
             "loadavg": os.getloadavg(),
         }
         args.out.write_text(json.dumps(result))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    destroy_default_group()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from ivyplug.benchmarks.ps import OVERLAPPED, STRATEGIES
+from ivyplug.integrations.lightning.launchers import destroy_default_group
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -147,10 +148,7 @@ def main() -> None:
         if trainer.global_rank == 0:
             _write_result(args, trainer, model, clock, len(train))
     finally:
-        # Lightning's DDP leaves gloo's default group to the interpreter's teardown, which aborts now and then
-        # (SIGABRT: "terminate called without an active exception"); the PS strategies destroy theirs
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_default_group()  # Lightning's DDP leaves it to the interpreter's teardown (the PS strategies do not)
 
 
 def _write_result(

@@ -40,6 +40,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from ivyplug.benchmarks.ps_job import BenchMLP, EpochClock
+from ivyplug.integrations.lightning.launchers import destroy_default_group
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -203,8 +204,7 @@ def fit_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any] | None:
         DataLoader(val, batch_size=VAL_BATCH),
     )
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # the next run starts a fresh group on its own port
+    destroy_default_group()  # the next run starts a fresh group on its own port
     # every rank reports its own work through a file: a collective would need the ranks to meet once more
     worker = {"samples": clock.samples, "injected_sleep_s": model.slept}
     (args.out / f"{spec.name}.rank{trainer.global_rank}.json").write_text(json.dumps(worker))

@@ -15,11 +15,22 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch.distributed
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
 
 log = logging.getLogger(__name__)
+
+
+def destroy_default_group() -> None:
+    """Destroy torch.distributed's default group, if there is one.
+
+    Lightning destroys it only for NCCL. A gloo group left to the interpreter's teardown aborts the process now
+    and then (SIGABRT, "terminate called without an active exception"), after its work succeeded.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class _CheckingStrategy(Protocol):

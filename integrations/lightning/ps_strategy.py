@@ -36,7 +36,11 @@ import torch.distributed
 from ivyplug.integrations.lightning import registration
 from ivyplug.integrations.lightning.dispatch_loader import process_async_loader
 from ivyplug.integrations.lightning.elastic_rendezvous import attempt_store
-from ivyplug.integrations.lightning.launchers import CheckedMultiProcessingLauncher, CheckedSubprocessScriptLauncher
+from ivyplug.integrations.lightning.launchers import (
+    CheckedMultiProcessingLauncher,
+    CheckedSubprocessScriptLauncher,
+    destroy_default_group,
+)
 from ivyplug.integrations.lightning.ps_metrics import PSMetricsLogger
 from ivyplug.integrations.lightning.trainer_checks import per_step_collective_problems
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -68,11 +72,6 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _CHECKED_LIGHTNING = ("2.4.", "2.5.", "2.6.")
 
 
-def _destroy_default_group() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 def _release_default_group(launcher: Any) -> None:
     """Destroy the default process group when this process is done with it, not between stages.
 
@@ -83,12 +82,12 @@ def _release_default_group(launcher: Any) -> None:
     rank still held the old store ("Connection refused", or a hang). Those ranks destroy it at exit.
     """
     if isinstance(launcher, _MultiProcessingLauncher):
-        _destroy_default_group()
+        destroy_default_group()
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         global _EXIT_HOOK_INSTALLED
         if not _EXIT_HOOK_INSTALLED:
             _EXIT_HOOK_INSTALLED = True
-            atexit.register(_destroy_default_group)
+            atexit.register(destroy_default_group)
 
 
 _EXIT_HOOK_INSTALLED = False

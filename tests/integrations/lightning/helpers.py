@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from ivyplug.integrations.lightning.launchers import destroy_default_group
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
@@ -39,8 +40,7 @@ class SpawnedDDP(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_default_group()
 
 
 @contextmanager

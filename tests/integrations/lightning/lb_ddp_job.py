@@ -23,6 +23,7 @@ if str(ROOT) not in sys.path:
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from ivyplug.integrations.lightning import IvyLoadBalancer  # noqa: E402
+from ivyplug.integrations.lightning.launchers import destroy_default_group  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 
@@ -168,8 +169,7 @@ def main(out: Path) -> None:
     for strategy_name in ("ddp", "ivy_ps_sync"):  # ddp first: its fits share the default process group
         share_fit(out / strategy_name, strategy_name)
         goodput_fits(out / "goodput", (strategy_name,))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    destroy_default_group()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from ivyplug.ps import shared_region, typed_state
-from ivyplug.ps.messages import Flag, Header, Kind, Status, arg_float, bytes_to_words, words_to_bytes
+from ivyplug.ps.messages import Flag, Header, Kind, Status, arg_float, bytes_to_words, message_bytes, words_to_bytes
 from ivyplug.ps.segments import Segment, views
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
@@ -339,7 +339,7 @@ class WireEndpoint:
             raise PSServerError(f"PS server on rank {self.dst} failed while answering {what}: {text}", text)
         if h.flags & Flag.STOP:
             self._stats.remote_stop = True
-        self._stats.bytes_received += 128 + 4 * (self.numel if h.flags & Flag.SHM else h.numel)
+        self._stats.bytes_received += message_bytes(self.numel if h.flags & Flag.SHM else h.numel)
         return h
 
     def send(self, kind: int, data: torch.Tensor | None = None, hyper: torch.Tensor | None = None, **args: int) -> None:

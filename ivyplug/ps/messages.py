@@ -157,6 +157,11 @@ def arg_float(arg: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", arg))[0])
 
 
+def message_bytes(numel: int, n_hyper: int = 0) -> int:
+    """Bytes one message moves: its header, ``numel`` fp32 words and ``n_hyper`` fp64 values."""
+    return 8 * HEADER_LEN + 4 * numel + 8 * n_hyper
+
+
 def empty_header() -> torch.Tensor:
     return torch.zeros(HEADER_LEN, dtype=torch.int64)
 

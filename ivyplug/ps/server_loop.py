@@ -22,7 +22,6 @@ import torch
 from ivyplug.ps import shared_region
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.messages import (
-    HEADER_LEN,
     MAX_ERROR_TEXT,
     BatchAsk,
     Flag,
@@ -31,11 +30,12 @@ from ivyplug.ps.messages import (
     Status,
     bytes_to_words,
     float_arg,
+    message_bytes,
     words_to_bytes,
 )
 from ivyplug.ps.segments import Segment, views
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
-from ivyplug.ps.transport import Channel, PSProtocolError, Releasable
+from ivyplug.ps.transport import Channel, PSProtocolError, Releasable, payload_parts
 
 _WANTS_REPLY = (
     Kind.PUSH_PULL,
@@ -64,11 +64,6 @@ MAX_HYPER = 1 << 24
 MAX_PATH = 4096
 
 log = logging.getLogger(__name__)
-
-
-def _message_bytes(numel: int, n_hyper: int = 0) -> int:
-    """Bytes one message moves: its header, ``numel`` fp32 words and ``n_hyper`` fp64 values (as sent)."""
-    return 8 * HEADER_LEN + 4 * numel + 8 * n_hyper
 
 
 class Rendezvous(Protocol):
@@ -153,9 +148,8 @@ class ServerLoop(threading.Thread):
         flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT | Flag.SHM))
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
         if self.traffic is not None:  # before the send: its worker may read the reply before the send returns
-            parts = [] if data is None else [data] if isinstance(data, torch.Tensor) else data
-            numel = sum(t.numel() for t in parts) + self._shared_words(request)  # a reply into the region too
-            self.traffic.count(0, 0, _message_bytes(numel))
+            numel = sum(t.numel() for t in payload_parts(data)) + self._shared_words(request)  # into a region too
+            self.traffic.count(0, 0, message_bytes(numel))
         self.channel.send(to, h, data, reply=True, wait=False, stream=request.shard + 1, keep=keep)
 
     def _reply_error(self, to: int, request: Header, text: str | None = None) -> None:
@@ -213,7 +207,7 @@ class ServerLoop(threading.Thread):
                     self._push_bufs[key] = data
                 if self.traffic is not None:
                     numel = header.numel + (self._shared_words(header) if header.kind in _PUSHES else 0)
-                    nbytes = _message_bytes(numel, header.n_hyper)
+                    nbytes = message_bytes(numel, header.n_hyper)
                     self.traffic.count(int(header.kind == Kind.PUSH_PULL), nbytes, 0)
             except BaseException as exc:  # the group is unusable (or, for a member, it broke the protocol)
                 self.error = exc

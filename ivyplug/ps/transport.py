@@ -85,6 +85,11 @@ def wait_work(work: Any, timeout: float, what: str) -> None:
         raise PSProtocolError(f"communication failed while waiting for {what}: {msg}") from exc
 
 
+def payload_parts(data: torch.Tensor | Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    """A message's fp32 payload as the tensors that travel: none, one, or its segments (segments.py)."""
+    return [] if data is None else [data] if isinstance(data, torch.Tensor) else list(data)
+
+
 def reply_tag(base: int, stream: int) -> int:
     """The tag of a reply on ``stream`` (a shard's index + 1; 0 for the batch queue and the service).
 
@@ -142,7 +147,7 @@ class Channel:
         With ``wait=False`` the tensors are kept alive until the sends are done (a reply's: until
         :meth:`reap`, which then releases ``keep``).
         """
-        parts = [] if data is None else [data] if isinstance(data, torch.Tensor) else list(data)
+        parts = payload_parts(data)
         header.numel = sum(t.numel() for t in parts)
         header.n_hyper = 0 if hyper is None else hyper.numel()
         h = header.encode()

@@ -171,11 +171,7 @@ def _sync_sgd_shard(num_workers: int, n: int) -> tuple[Shard, list[torch.Tensor]
     spec = OptimizerSpec.from_optimizer(opt, [p])
     plan = build_plan([TensorSpec("p", (n,))], 1)
     shard = Shard(0, plan, PSConfig(mode="sync"), num_workers, spec, torch.zeros(n))
-    hypers = [
-        torch.cat([torch.tensor([-1.0, float(k), 0.0, *encode_mask([True])], dtype=torch.float64), spec.encode(opt)])
-        for k in range(8)
-    ]
-    return shard, hypers
+    return shard, [_hyper(spec, opt, k, -1.0, 1) for k in range(8)]
 
 
 def test_sync_combines_pushes_as_the_sample_weighted_mean_step_after_step() -> None:

@@ -46,7 +46,9 @@ A worker's epoch usually ends before that length, where Lightning, given a lengt
 nor step epoch-interval schedulers (it validates at batch number ``len`` and otherwise ends the epoch at
 ``StopIteration``). The sampler therefore asks the queue one batch ahead (as Lightning's own prefetch did
 for a loader without length) and :class:`DispatchEpochEnd` marks the batch after which the queue is empty
-as the epoch's last, so validation and epoch-end schedulers run there, once per epoch on every worker.
+as the epoch's last, so validation and epoch-end schedulers run there, once per epoch on every worker (Lightning
+steps epoch-interval schedulers only at a batch it knows to be the last before it runs; one learnt to be the last
+after it was trained gets them stepped by :class:`DispatchEpochEnd`).
 """
 
 from __future__ import annotations
@@ -378,7 +380,7 @@ class DispatchEpochEnd(Callback):
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
             last = True
         if not last and not trainer.should_stop and sampler.ask_after(batch_idx):
-            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True  # Lightning validates, ends the epoch
+            _end_epoch_at_this_batch(trainer)
             last = True
         if last or trainer.should_stop:
             sampler.end_epoch()
@@ -391,6 +393,19 @@ class DispatchEpochEnd(Callback):
             reached = _step_limit_reached(trainer)
             if trainer.strategy.reduce_boolean_decision(reached, all=False) and not reached:
                 trainer.should_stop = True
+
+
+def _end_epoch_at_this_batch(trainer: Any) -> None:
+    """The batch just trained is this worker's last of the epoch, learnt only after it was trained.
+
+    Lightning steps epoch-interval LR schedulers (all but ``ReduceLROnPlateau``) inside the training batch,
+    after the optimizer step and before ``on_train_batch_end``, and only when it already knows the batch is the
+    epoch's last; its epoch-end call steps only plateau schedulers. So they are stepped here, as Lightning would
+    have, before validation and the epoch's end: the next epoch's pushes then carry the scheduled values.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_loop.batch_progress.is_last_batch = True  # Lightning validates, ends the epoch
+    epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
 
 
 def _step_limit_reached(trainer: Any) -> bool:

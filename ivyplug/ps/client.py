@@ -84,6 +84,7 @@ class PSClient:
         self.plan: ShardPlan
         self.spec: OptimizerSpec
         self.optimizer: Any = None
+        self._unmirrored: set[str] = set()  # changes to the optimizer's groups already warned about
         self.layout: FlatLayout
         self.workers: WorkerGroup | MemberGroup
         self._launch_group: WorkerGroup | None = None  # the group of the start, while a MemberGroup serves
@@ -359,6 +360,7 @@ class PSClient:
         flags = self._check_push(packed) | (PushFlag.DELTA if delta else 0)
         has_grad = encode_mask([p.grad is not None for _, p in self.params])
         prefix = torch.tensor([sync_clip, float(num_samples), float(flags), *has_grad], dtype=torch.float64)
+        self._warn_unmirrored()
         hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
         with self._servers_named():
             pending = [
@@ -378,6 +380,18 @@ class PSClient:
             self.m.staleness_max = max(self.m.staleness_max, tau_max)
         self._scales_pushes = max_grad_norm is not None and self.cfg.mode != "sync"
         self._arm_early()
+
+    def _warn_unmirrored(self) -> None:
+        """Warn once for each change to the optimizer's groups that no push can carry to the servers."""
+        for change in self.spec.unmirrored_changes(self.optimizer):
+            if change not in self._unmirrored:
+                self._unmirrored.add(change)
+                warnings.warn(
+                    f"ivyplug PS (rank {self.rank}): {change} after the PS started; the servers keep the value they "
+                    "were given (only numeric hyperparameters present at start travel with each push)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def _reply_targets(self, shard: int) -> list[torch.Tensor | None] | None:
         """Where shard ``shard``'s reply parts are received in place, when its wire is cut (segments.py)."""

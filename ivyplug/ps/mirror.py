@@ -118,6 +118,30 @@ class OptimizerSpec:
                 vals.append(float(v.item()) if isinstance(v, torch.Tensor) else float(v))
         return torch.tensor(vals, dtype=torch.float64)
 
+    def unmirrored_changes(self, optimizer: Any) -> list[str]:
+        """What changed in ``optimizer``'s groups since start that the servers cannot follow (empty: nothing).
+
+        Numeric values travel with every push; a key added since (a scheduler created later, say) and a
+        non-numeric value changed since (``nesterov`` turned on) do not. A group added or removed changes
+        which parameters the servers step: that raises, since training would silently leave them out.
+        """
+        live = optimizer.param_groups
+        if len(live) != len(self.groups):
+            raise ValueError(
+                f"the optimizer has {len(live)} param groups, but it had {len(self.groups)} when the PS started: the "
+                "servers step the groups they were given (add every group before fit, e.g. in configure_optimizers)"
+            )
+        changes = []
+        for g, (group, start) in enumerate(zip(live, self.groups, strict=True)):
+            for key, value in group.items():
+                if key == "params":
+                    continue
+                if key not in start:
+                    changes.append(f"param group {g} gained {key!r}")
+                elif _slot_kind(start[key]) is None and value is not start[key] and value != start[key]:
+                    changes.append(f"param group {g}'s {key!r} changed from {start[key]!r} to {value!r}")
+        return changes
+
     def decode_into(self, values: torch.Tensor, groups: dict[int, dict[str, Any]]) -> None:
         """Write ``values`` into the server optimizer's groups (``groups``: user group index -> group)."""
         if values.numel() != self.num_values:

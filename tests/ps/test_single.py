@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -175,6 +176,37 @@ def test_hyperparameters_follow_the_worker_optimizer() -> None:
     assert client.server is not None and client.server.optimizer is not None
     groups = client.server.optimizer.param_groups
     assert [g["lr"] for g in groups] == [0.25, 0.1] and [g["momentum"] for g in groups] == [0.5, 0.0]
+
+
+def test_a_change_the_servers_cannot_follow_warns_once_and_a_new_group_is_refused() -> None:
+    model = mlp(seed=0)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params[:2], lr=0.1, momentum=0.5)
+    client = start(model, opt, mode="async")
+    x, y = batch(0, 4)
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        client.step(4)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step()  # numeric values travel: no warning
+        opt.param_groups[0]["lr"] = 0.05
+        step()
+    opt.param_groups[0]["nesterov"] = True
+    opt.param_groups[0]["initial_lr"] = 0.1  # a scheduler created after the start adds it
+    with pytest.warns(RuntimeWarning) as caught:
+        step()
+        step()
+    texts = sorted(str(w.message) for w in caught)
+    assert len(texts) == 2, texts  # once each
+    assert "'initial_lr'" in texts[0] and "gained" in texts[0]
+    assert "'nesterov' changed from False to True" in texts[1]
+    opt.add_param_group({"params": params[2:]})
+    with pytest.raises(ValueError, match="has 2 param groups, but it had 1"):
+        step()
 
 
 def test_splitting_rows_changes_lamb_trust_ratio_as_documented() -> None:

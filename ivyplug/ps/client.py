@@ -37,7 +37,7 @@ from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in, nonfinite_in_pa
 from ivyplug.ps.shard import Shard, load_state_bytes
 from ivyplug.ps.sharding import ShardPlan, auto_max_shard_bytes, build_plan, tensor_specs
 from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
-from ivyplug.ps.wire_codec import BF16_OVERFLOW, Bf16Codec
+from ivyplug.ps.wire_codec import BF16_OVERFLOW, BLOCK_BITS, Bf16Codec, BlockCodec
 from ivyplug.ps.worker_group import WorkerGroup
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
@@ -178,8 +178,11 @@ class PSClient:
             if not isinstance(ep, WireEndpoint):
                 continue
             ep.host_buffer = functools.partial(self.layout.host_buffer, shard=s)
-            if cfg.wire_dtype == "bfloat16":  # pushes and pulls in bf16 (wire_codec.py)
+            if cfg.wire_dtype != "float32":  # pushes and pulls in bf16, or pushes quantized (wire_codec.py)
                 ep.bf16 = Bf16Codec(self.plan.shard_numel(s), self.plan.float_ranges(s))
+                if cfg.wire_dtype in BLOCK_BITS:
+                    bits = BLOCK_BITS[cfg.wire_dtype]
+                    ep.block = BlockCodec(self.plan.shard_numel(s), self.plan.shard_param_numel(s), bits)
             elif not self._share(s, ep):  # fp32: cut so that large tensors travel in place (segments.py)
                 ep.segments = self.layout.segments[s]
         if self.topo.link is not None and world_size > 1:
@@ -367,7 +370,13 @@ class PSClient:
                 (s, ep.push_pull(self.rank, None if s in early else packed[s], hyper, self._reply_targets(s)))
                 for s, ep in self.topo.endpoints.items()
             ]
-            staleness, grad_sq = self._collect(pending)
+            try:
+                staleness, grad_sq = self._collect(pending)
+            finally:
+                if flags & PushFlag.NONFINITE:  # dropped whole: the error it carried (now non-finite) goes too
+                    for ep in self.topo.endpoints.values():
+                        if isinstance(ep, WireEndpoint) and ep.block is not None:
+                            ep.block.reset()
         self.combined_grad_sq_norm = grad_sq if self.cfg.mode == "sync" and math.isfinite(grad_sq) else None
         self.m.pushes += 1
         self.m.pulls += 1

@@ -9,7 +9,7 @@ from typing import Any
 MODES: tuple[str, ...] = ("sync", "async", "ssp")
 STALENESS_SCALINGS: tuple[str, ...] = ("inverse", "none")
 NONFINITE_POLICIES: tuple[str, ...] = ("skip", "raise")
-WIRE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+WIRE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4")
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -34,6 +34,11 @@ class PSConfig:
     of ``"float32"`` (default); the servers keep fp32 masters and integer buffers travel exactly. A local-update
     delta carries its rounding error into the next delta (error feedback, delta_exchange.py). A finite fp32
     value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
+    ``"int8"`` / ``"int4"``: pushes (gradients, or local-update deltas, for which they are made) travel
+    block-quantized, one fp32 scale per 128 values (about 1/3.9 and 1/7.5 of fp32's bytes), with error feedback
+    (what rounding leaves out of a push is carried into the next, wire_codec.BlockCodec); buffers travel in
+    fp32, pulls in bf16 (a pull cannot carry error feedback: each is a fresh copy of the masters, so its
+    rounding does not accumulate, and bf16 keeps it within 2**-9 of each value).
     ``overlap_backward=True`` sends each shard's gradients from backward's gradient hooks as soon as backward
     has produced them all, so the transfer overlaps the rest of backward (early_push.py); the shards apply a
     push only at the step, after the whole push was checked, and data changed after backward is sent again;
@@ -108,6 +113,12 @@ class PSConfig:
             raise ValueError(f"PSConfig.shared_memory must be True or False, got {self.shared_memory!r}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"PSConfig.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if self.overlap_backward and self.wire_dtype in ("int8", "int4"):
+            raise ValueError(
+                f"PSConfig.overlap_backward=True cannot be combined with wire_dtype={self.wire_dtype!r}: each push's "
+                "rounding error is carried into the next, and a shard sent early and again at the step would carry "
+                "it twice; use overlap_backward=False or wire_dtype 'float32'/'bfloat16'"
+            )
         if self.servers is not None:
             parse_address(self.servers, "PSConfig.servers")
             if self.num_servers:

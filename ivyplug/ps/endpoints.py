@@ -23,11 +23,21 @@ from typing import Any, Protocol
 import torch
 
 from ivyplug.ps import shared_region, typed_state
-from ivyplug.ps.messages import Flag, Header, Kind, Status, arg_float, bytes_to_words, message_bytes, words_to_bytes
+from ivyplug.ps.messages import (
+    BLOCK_FLAGS,
+    Flag,
+    Header,
+    Kind,
+    Status,
+    arg_float,
+    bytes_to_words,
+    message_bytes,
+    words_to_bytes,
+)
 from ivyplug.ps.segments import Segment, views
 from ivyplug.ps.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
-from ivyplug.ps.wire_codec import Bf16Codec
+from ivyplug.ps.wire_codec import Bf16Codec, BlockCodec
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +246,9 @@ class WireEndpoint:
         self._seq = 0
         #: set (PSConfig.wire_dtype="bfloat16"): pushes and pulls travel as bf16 (wire_codec.py)
         self.bf16: Bf16Codec | None = None
+        #: set with :attr:`bf16` (wire_dtype "int8"/"int4"): pushes travel block-quantized with error feedback,
+        #: replies in bf16 (wire_codec.BlockCodec)
+        self.block: BlockCodec | None = None
         #: set (fp32 wire): pushes and pulls travel cut so, large tensors in place (segments.py)
         self.segments: list[Segment] | None = None
         #: set (:meth:`share`): the shared-memory region pushes and pulls of this shard live in; only their
@@ -280,8 +293,12 @@ class WireEndpoint:
             if self.bf16 is not None:
                 args["flags"] = Flag.BF16
                 if data is not None:
-                    assert isinstance(data, torch.Tensor), "a bf16 push is one flat tensor"
-                    data = self.bf16.encode(data)
+                    assert isinstance(data, torch.Tensor), "a bf16 or quantized push is one flat tensor"
+                    if self.block is not None:
+                        args["flags"] |= BLOCK_FLAGS[self.block.bits]
+                        data = self.block.encode(data)
+                    else:
+                        data = self.bf16.encode(data)
             elif self.segments is not None:
                 split = True
                 args["flags"] = Flag.SPLIT
@@ -360,6 +377,8 @@ class WireEndpoint:
         if self.shared is not None:
             self._into_region(data)
             flags, wire = Flag.SHM, None
+        elif self.block is not None:  # PSConfig refuses early pushes with these: they would carry errors twice
+            raise ValueError(f"shard {self.shard}: a block-quantized push is sent whole, at the step")
         elif self.bf16 is not None:
             flags, wire = Flag.BF16, self.bf16.encode(data)
         h = Header(kind=Kind.PUSH_DATA, sender=self.channel.rank, shard=self.shard, flags=flags)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 MAGIC = 0x1B5F_5053  # "ivy PS"
-WIRE_VERSION = 3  # 2: payloads may travel cut into segments (Flag.SPLIT); 3: or in shared memory (Flag.SHM)
+WIRE_VERSION = 4  # 2: payloads may travel cut into segments (Flag.SPLIT); 3: or in shared memory (Flag.SHM);
+#                  4: pushes may travel block-quantized (Flag.INT8, Flag.INT4)
 HEADER_LEN = 16
 
 # tags on the PS point-to-point group
@@ -80,6 +81,13 @@ class Flag:
     #            (segments.py), one message each; an error reply to such a request carries no payload
     SHM = 8  # PUSH_PULL/PUSH_DATA/PULL: the fp32 payload and its reply's are in the sender's shared-memory
     #          region for that shard (shared_region.py), not on the wire; an error reply carries no payload
+    INT8 = 16  # PUSH_PULL/PUSH_DATA: the request's payload is block-quantized to int8 (wire_codec.BlockCodec);
+    #            with BF16 also set, its reply is bf16
+    INT4 = 32  # the same with int4
+
+
+#: the flag of each block-quantized push, by its bits
+BLOCK_FLAGS = {8: Flag.INT8, 4: Flag.INT4}
 
 
 @dataclass

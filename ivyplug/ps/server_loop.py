@@ -145,7 +145,7 @@ class ServerLoop(threading.Thread):
         **args: int,
     ) -> None:
         """Send an OK reply; ``keep`` (a shard state's loan) stays alive until its sends are done."""
-        flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT | Flag.SHM))
+        flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT | Flag.SHM))  # a quantized push: bf16 reply
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
         if self.traffic is not None:  # before the send: its worker may read the reply before the send returns
             numel = sum(t.numel() for t in payload_parts(data)) + self._shared_words(request)  # into a region too
@@ -280,7 +280,7 @@ class ServerLoop(threading.Thread):
             target = self.shards.get(h.shard)
             if target is None:
                 return f"worker {self.member} asked for shard {h.shard}; this server has {sorted(self.shards)}"
-            words = target.bf16.words if h.flags & Flag.BF16 else target.n_total
+            words = _payload_words(target, h.flags)
             shared = bool(h.flags & Flag.SHM)  # the payload is in the member's region: nothing follows
             if h.kind == Kind.PUSH_PULL:  # the data inline, or ahead in a PUSH_DATA
                 numel, n_hyper = (0 if h.numel == 0 or shared else words), target.n_hyper
@@ -416,7 +416,10 @@ class ServerLoop(threading.Thread):
                             f"shard {h.shard}: a push without data from {self._who(h)}, and no data sent before it"
                         )
                     data, flags = self._push_bufs[(h.sender, h.shard)], held
-                if flags & Flag.BF16:
+                bits = _block_bits(flags)
+                if bits:
+                    data = shard.block[bits].decode(data)
+                elif flags & Flag.BF16:
                     data = shard.bf16.decode(data)
                 fut = shard.push_pull(w, data, hyper)
             else:
@@ -476,3 +479,16 @@ class ServerLoop(threading.Thread):
             self._reply(to, h, None)
         else:
             raise RuntimeError(f"unknown message kind {h.kind} from {self._who(h)}")
+
+
+def _block_bits(flags: int) -> int:
+    """The bits of a block-quantized push's payload (wire_codec.BlockCodec), 0 for none."""
+    return 8 if flags & Flag.INT8 else 4 if flags & Flag.INT4 else 0
+
+
+def _payload_words(shard: Shard, flags: int) -> int:
+    """fp32 words of a push payload to ``shard`` sent with ``flags``."""
+    bits = _block_bits(flags)
+    if bits:
+        return shard.block[bits].words
+    return shard.bf16.words if flags & Flag.BF16 else shard.n_total

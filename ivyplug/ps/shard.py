@@ -51,7 +51,7 @@ from ivyplug.ps.push import HYPER_PREFIX, PushFlag, decode_mask, mask_words, non
 from ivyplug.ps.segments import wire_segments
 from ivyplug.ps.sharding import Piece, ShardPlan
 from ivyplug.ps.transport import PSProtocolError
-from ivyplug.ps.wire_codec import Bf16Codec
+from ivyplug.ps.wire_codec import Bf16Codec, BlockCodec
 
 
 def piece_shape(shape: tuple[int, ...], piece: Piece) -> tuple[int, ...]:
@@ -165,6 +165,8 @@ class Shard:
         ]
         self._float_ranges = plan.float_ranges(shard)
         self.bf16 = Bf16Codec(self.n_total, self._float_ranges)  # decodes bf16 pushes to fp32, encodes replies
+        #: decodes int8 / int4 pushes (by bits) to fp32; their gradients are quantized, their buffers fp32
+        self.block = {bits: BlockCodec(self.n_total, self.n_param, bits) for bits in (8, 4)}
         self.segments = wire_segments(self.pieces)  # how its fp32 payloads travel when split (Flag.SPLIT)
         self.num_params = plan.num_params
         self._mask_words = mask_words(self.num_params)

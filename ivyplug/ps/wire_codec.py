@@ -66,3 +66,90 @@ class Bf16Codec:
             out[a:b].view(torch.bfloat16).copy_(halves[at : at + 2 * (b - a)])
             at += 2 * (b - a)
         return out
+
+
+#: ``PSConfig.wire_dtype`` -> bits of a block-quantized push
+BLOCK_BITS = {"int8": 8, "int4": 4}
+
+#: values per block, each block with its own fp32 scale (1 scale word per 128 values: 3% over int8's bytes)
+BLOCK = 128
+
+
+class BlockCodec:
+    """Block-wise int8/int4 pushes with error feedback (``PSConfig.wire_dtype="int8"`` / ``"int4"``).
+
+    The first ``quantized`` words of a shard's vector (its gradients or local-update deltas, all floats) travel
+    as ``bits``-bit integers, one fp32 scale per :data:`BLOCK` values (``scale = max|x| / qmax``, ``qmax`` 127
+    or 7, rounded to nearest); the rest (buffers, integer buffers as exact bits) travels as plain fp32 words.
+    With ``feedback=True`` what rounding leaves out of a push is carried into the next one: the codec keeps
+    ``e``, encodes ``x + e`` and keeps ``e <- x + e - decoded``, so the decoded pushes sum to the true pushes
+    less the last ``e`` (at most half a step, ``scale / 2``, per value): nothing is lost over time. A worker
+    holds one codec per shard; the servers only decode (:meth:`decode`).
+    """
+
+    def __init__(self, numel: int, quantized: int, bits: int, block: int = BLOCK) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+        if not 0 <= quantized <= numel:
+            raise ValueError(f"quantized must be in [0, numel={numel}], got {quantized}")
+        if block < 2 or block % 2:
+            raise ValueError(f"block must be an even number >= 2, got {block}")
+        self.numel, self.quantized, self.bits, self.block = numel, quantized, bits, block
+        self.qmax = 127 if bits == 8 else 7
+        self.blocks = -(-quantized // block)
+        self._padded = self.blocks * block
+        self._qbytes = self._padded if bits == 8 else self._padded // 2
+        #: fp32 words of an encoded payload: the scales, the packed integers, the plain tail
+        self.words = self.blocks + -(-self._qbytes // 4) + (numel - quantized)
+        self.residual: torch.Tensor | None = None  # e, carried into the next push (feedback only)
+
+    def reset(self) -> None:
+        """Forget the carried error (after a push that was dropped whole: it applied nothing)."""
+        self.residual = None
+
+    def encode(self, flat: torch.Tensor, feedback: bool = True) -> torch.Tensor:
+        """``flat`` (fp32, ``numel``) as :attr:`words` fp32 words; ``feedback``: add and update the carried error."""
+        if flat.numel() != self.numel:
+            raise ValueError(f"a {self.bits}-bit payload encodes {self.numel} values, got {flat.numel()}")
+        n, out = self.quantized, torch.empty(self.words, dtype=torch.float32)
+        x = torch.zeros(self._padded, dtype=torch.float32)
+        x[:n].copy_(flat[:n])
+        if feedback:
+            if self.residual is None:
+                self.residual = torch.zeros(n, dtype=torch.float32)
+            x[:n].add_(self.residual)
+        blocks = x.view(self.blocks, self.block)
+        scales = blocks.abs().amax(dim=1).div_(self.qmax)
+        q = torch.round(blocks / torch.where(scales > 0, scales, 1.0).unsqueeze(1)).clamp_(-self.qmax, self.qmax)
+        if feedback:
+            assert self.residual is not None
+            self.residual.copy_(x[:n]).sub_((q * scales.unsqueeze(1)).view(-1)[:n])
+        out[: self.blocks].copy_(scales)
+        packed = out[self.blocks : self.words - (self.numel - n)].view(torch.uint8)
+        ints = q.view(-1).to(torch.int8)
+        if self.bits == 8:
+            packed[: self._qbytes].copy_(ints.view(torch.uint8))
+        else:
+            nibbles = (ints + 8).to(torch.uint8).view(-1, 2)  # 1..15, two per byte: low, then high
+            packed[: self._qbytes].copy_(nibbles[:, 0] | (nibbles[:, 1] << 4))
+        packed[self._qbytes :].zero_()
+        out[self.words - (self.numel - n) :].copy_(flat[n:])
+        return out
+
+    def decode(self, words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 vector :meth:`encode` produced ``words`` from (the quantized part as scale * integer)."""
+        if words.numel() != self.words:
+            raise ValueError(f"a {self.bits}-bit payload of this shard has {self.words} words, got {words.numel()}")
+        if out is None:
+            out = torch.empty(self.numel, dtype=torch.float32)
+        n, tail = self.quantized, self.numel - self.quantized
+        scales = words[: self.blocks]
+        packed = words[self.blocks : self.words - tail].view(torch.uint8)[: self._qbytes]
+        if self.bits == 8:
+            q = packed.view(torch.int8).float()
+        else:
+            q = torch.stack([(packed & 0x0F), (packed >> 4)], dim=1).view(-1).float().sub_(8.0)
+        deq = q.view(self.blocks, self.block).mul_(scales.unsqueeze(1))
+        out[:n].copy_(deq.view(-1)[:n])
+        out[n:].copy_(words[self.words - tail :])
+        return out

@@ -63,9 +63,9 @@ def test_codec_of_an_all_float_shard_is_half_the_words() -> None:
 
 
 # -- the option -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", ["fp16", "bf16", None, 16])
+@pytest.mark.parametrize("bad", ["fp16", "bf16", "int2", None, 16])
 def test_bad_wire_dtypes_are_refused_by_name(bad: Any) -> None:
-    with pytest.raises(ValueError, match=r"wire_dtype must be one of \('float32', 'bfloat16'\)"):
+    with pytest.raises(ValueError, match=r"wire_dtype must be one of \('float32', 'bfloat16', 'int8', 'int4'\)"):
         PSConfig(wire_dtype=bad)
 
 
@@ -74,13 +74,17 @@ def test_the_strategy_refuses_a_bad_wire_dtype_before_spawning_and_reads_the_env
 ) -> None:
     from ivyplug.integrations.lightning import IvyPSStrategy
 
-    with pytest.raises(ValueError, match=r"PSConfig.wire_dtype must be one of \('float32', 'bfloat16'\)"):
+    with pytest.raises(
+        ValueError, match=r"PSConfig.wire_dtype must be one of \('float32', 'bfloat16', 'int8', 'int4'\)"
+    ):
         IvyPSStrategy(wire_dtype="half")
     assert IvyPSStrategy().ps_config.wire_dtype == "float32"
     monkeypatch.setenv("IVYPLUG_PS_WIRE_DTYPE", "bfloat16")
     assert IvyPSStrategy().ps_config.wire_dtype == "bfloat16"
     assert IvyPSStrategy(wire_dtype="float32").ps_config.wire_dtype == "float32"  # code wins
     monkeypatch.setenv("IVYPLUG_PS_WIRE_DTYPE", "int8")
+    assert IvyPSStrategy().ps_config.wire_dtype == "int8"
+    monkeypatch.setenv("IVYPLUG_PS_WIRE_DTYPE", "fp8")
     with pytest.raises(ValueError, match="wire_dtype"):
         IvyPSStrategy()
 

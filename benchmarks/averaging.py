@@ -2,10 +2,10 @@
 
 Side by side in one run, 2 workers on this machine's CPU cores: ``ddp``, ``ivy_ps`` (async, AdamW on pushed
 gradients) and averaging (AdamW in ``LocalUpdates``, async) with H = ``sync_every`` in {4, 16, 64} x outer in
-{average, nesterov, lamb} x wire in {float32, bfloat16}, without a slow worker and with rank 1 3x slower at
-compute (``bench ps``'s delay injector), on two settings: ``digits`` (the compute-bound MLP of ``bench ps``,
-90 steps per worker and epoch) and ``wide`` (64-2048-2048-10 at batch 16: communication a larger share of a
-step). Each (setting, slowdown) runs its configurations in sequence in one job (benchmarks/averaging_job.py).
+{average, nesterov, lamb} x wire in {float32, bfloat16} (int8 and int4 when selected), without a slow worker
+and with rank 1 3x slower at compute (``bench ps``'s delay injector), on two settings: ``digits`` (the
+compute-bound MLP of ``bench ps``, 90 steps per worker and epoch) and ``wide`` (64-2048-2048-10 at batch 16:
+communication a larger share of a step). Each (setting, slowdown) runs its configurations in sequence in one job (benchmarks/averaging_job.py).
 
 Columns: bytes moved per training sample (sent + received, both workers; DDP's analytic, the PS's measured, its
 epoch-end pulls for validation included), the median train-epoch time, the wall time until validation first
@@ -36,7 +36,8 @@ SETTINGS = ("digits", "wide")
 SLOWDOWNS = (1.0, SLOWDOWN)
 SYNC_EVERY = (4, 16, 64)
 OUTERS = ("average", "nesterov", "lamb")
-WIRES = ("float32", "bfloat16")
+WIRES = ("float32", "bfloat16", "int8", "int4")
+DEFAULT_WIRES = ("float32", "bfloat16")  # the full grid's; select wire=int8,int4 for the quantized pushes
 TARGET_BYTES_RATIO = {"float32": 12.0, "bfloat16": 24.0}
 TARGET_ACC_POINTS = 0.5
 TARGET_SLOW_TIME_RATIO = 0.6
@@ -54,7 +55,7 @@ def _grid(select: dict[str, list[str]]) -> list[tuple[str, float, list[str]]]:
     slowdowns = [float(s) for s in select.get("slowdown", [str(s) for s in SLOWDOWNS])]
     hs = [int(h) for h in select.get("H", [str(h) for h in SYNC_EVERY])]
     outers = select.get("outer", list(OUTERS))
-    wires = select.get("wire", list(WIRES))
+    wires = select.get("wire", list(DEFAULT_WIRES))
     for o in outers:
         if o not in OUTERS:
             raise ValueError(f"bench averaging: outer must be one of {OUTERS}, got {o!r}")

@@ -2,10 +2,11 @@
 
 Side by side in one run, 2 workers on this machine's CPU cores: ``ddp``, ``ivy_ps`` (async, AdamW on pushed
 gradients) and averaging (AdamW in ``LocalUpdates``, async) with H = ``sync_every`` in {4, 16, 64} x outer in
-{average, nesterov, lamb} x wire in {float32, bfloat16} (int8 and int4 when selected), without a slow worker
-and with rank 1 3x slower at compute (``bench ps``'s delay injector), on two settings: ``digits`` (the
-compute-bound MLP of ``bench ps``, 90 steps per worker and epoch) and ``wide`` (64-2048-2048-10 at batch 16:
-communication a larger share of a step). Each (setting, slowdown) runs its configurations in sequence in one job (benchmarks/averaging_job.py).
+{average, nesterov, lamb} x wire in {float32, bfloat16} (int8 and int4 when selected), without a slow worker and
+with rank 1 3x slower at compute (``bench ps``'s delay injector), on two settings: ``digits`` (the compute-bound
+MLP of ``bench ps``, 90 steps per worker and epoch) and ``wide`` (64-2048-2048-10 at batch 16: communication a
+larger share of a step). Each (setting, slowdown) runs its configurations in sequence in one job
+(benchmarks/averaging_job.py).
 
 Columns: bytes moved per training sample (sent + received, both workers; DDP's analytic, the PS's measured, its
 epoch-end pulls for validation included), the median train-epoch time, the wall time until validation first

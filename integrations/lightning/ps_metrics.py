@@ -1,7 +1,8 @@
 """Per-worker PS metrics, gathered at epoch end and logged as ``ivy/rank{r}/<metric>``.
 
 Lightning's loggers write from rank 0 only, so each worker's numbers (pushes, pulls, staleness,
-bytes, time waiting on the PS) are all-gathered first; every rank then logs the same values.
+bytes, time waiting on the PS, with local updates its current ``sync_every``) are all-gathered first; every
+rank then logs the same values.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class PSMetricsLogger(Callback):
         self.last: dict[str, float] = {}
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._strategy.end_train_epoch()
         local = self._strategy.ps_metrics()
         if not local:
             return

@@ -603,8 +603,18 @@ class IvyPSStrategy(DDPStrategy):
         super().on_train_end()
 
     def ps_metrics(self) -> dict[str, float]:
-        """This worker's PS counters (empty outside fit)."""
-        return dict(self._client.metrics()) if self._client is not None else {}
+        """This worker's PS counters (empty outside fit); with local updates, also its current ``sync_every``."""
+        if self._client is None:
+            return {}
+        metrics = dict(self._client.metrics())
+        if self._local_updates is not None:
+            metrics["sync_every"] = float(self._local_updates.sync_every)
+        return metrics
+
+    def end_train_epoch(self) -> None:
+        """A worker's training epoch ended: ``sync_every="auto"`` chooses its period again from this epoch's times."""
+        if self._local_updates is not None:
+            self._local_updates.retune_sync_every()
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -21,14 +21,16 @@ from torch import Tensor
 
 from ivyplug.optim.local_updates import LocalUpdates
 from ivyplug.optim.optimizer import LAMB
-from ivyplug.ps.delta_exchange import OuterRule, check_sync_every
+from ivyplug.ps.delta_exchange import OuterRule
+from ivyplug.ps.sync_period import SyncEvery, check_sync_period
 
 
 class AsyncLAMB(LocalUpdates):
     """LAMB whose workers merge their progress through the parameter server every ``sync_every`` steps.
 
     Args: LAMB's (see :class:`~ivyplug.optim.LAMB`), plus
-        sync_every: local steps between two exchanges with the PS (H >= 1; H = 1 pushes after every step).
+        sync_every: local steps between two exchanges with the PS (H >= 1; H = 1 pushes after every step), or
+            ``"auto"``: chosen from the measured step and exchange times (see :class:`~ivyplug.optim.LocalUpdates`).
         merge_rate: ``outer="average"``: how much of a pushed delta the servers apply; ``None``: 1.0 in sync
             mode, 1/num_workers in async/ssp (see :mod:`ivyplug.ps.delta_exchange`).
         outer, outer_lr, outer_momentum, outer_momentum_every: the outer optimizer, as for
@@ -68,7 +70,7 @@ class AsyncLAMB(LocalUpdates):
         max_grad_norm: float | None = None,
         foreach: bool | None = None,
         *,
-        sync_every: int = 4,
+        sync_every: SyncEvery = 4,
         merge_rate: float | None = None,
         outer: str = "average",
         outer_lr: float | None = None,
@@ -76,7 +78,7 @@ class AsyncLAMB(LocalUpdates):
         outer_momentum_every: int | None = None,
     ) -> None:
         # the new arguments' errors come before LAMB's own checks
-        check_sync_every(sync_every)
+        check_sync_period(sync_every)
         OuterRule(outer, merge_rate, outer_lr, outer_momentum, outer_momentum_every, 1.0)
         lamb = LAMB(
             params,

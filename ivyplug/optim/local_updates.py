@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ivyplug.ps.delta_exchange import DeltaExchange, OuterRule, check_sync_every
+from ivyplug.ps.delta_exchange import DeltaExchange, OuterRule
+from ivyplug.ps.sync_period import SyncEvery, SyncPeriod, check_sync_period
 
 if TYPE_CHECKING:
     from ivyplug.ps import PSClient, PSConfig
@@ -47,7 +48,11 @@ class LocalUpdates(torch.optim.Optimizer):
 
     Args:
         inner: the worker's torch optimizer (any ``torch.optim.Optimizer`` over the model's parameters).
-        sync_every: local steps between two exchanges with the PS (H >= 1; H = 1 pushes after every step).
+        sync_every: local steps between two exchanges with the PS (H >= 1; H = 1 pushes after every step), or
+            ``"auto"``: chosen from this worker's measured step and exchange times so that exchanges take at most
+            10% of its time, re-chosen by :meth:`retune_sync_every` (every epoch under Lightning); a slower worker
+            then takes fewer steps per exchange (:mod:`ivyplug.ps.sync_period`). :attr:`sync_every` is the
+            current H.
         outer: ``"average"``, ``"nesterov"`` or ``"lamb"``: how the servers merge a delta.
         merge_rate: ``"average"``: the share of a delta applied; ``None``: 1.0 in sync mode, 1/num_workers in
             async/ssp.
@@ -82,7 +87,7 @@ class LocalUpdates(torch.optim.Optimizer):
         self,
         inner: torch.optim.Optimizer,
         *,
-        sync_every: int = 4,
+        sync_every: SyncEvery = 4,
         outer: str = "average",
         merge_rate: float | None = None,
         outer_lr: float | None = None,
@@ -94,19 +99,19 @@ class LocalUpdates(torch.optim.Optimizer):
             raise ValueError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
         if isinstance(inner, LocalUpdates):
             raise ValueError("inner is already a LocalUpdates optimizer: wrap its inner optimizer instead")
-        sync_every = check_sync_every(sync_every)
+        sync_every = check_sync_period(sync_every)
         rule = OuterRule(outer, merge_rate, outer_lr, outer_momentum, outer_momentum_every, max_trust_ratio)
         self._setup(inner, sync_every, rule)
 
     def _setup(
-        self, inner: torch.optim.Optimizer, sync_every: int, rule: OuterRule, counts: tuple[int, int] = (0, 0)
+        self, inner: torch.optim.Optimizer, sync_every: SyncEvery, rule: OuterRule, counts: tuple[int, int] = (0, 0)
     ) -> None:
         """What ``torch.optim.Optimizer.__init__`` sets up, minus the param groups (those are ``inner``'s)."""
         self.inner = inner
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._patch_step_function()
-        self.sync_every = sync_every
+        self.period = SyncPeriod(sync_every)
         self.local_steps = 0  # since the last exchange
         self.delta = DeltaExchange(self._held(), rule=rule)
         self.delta.exchanges, self.delta.discarded = counts
@@ -162,6 +167,19 @@ class LocalUpdates(torch.optim.Optimizer):
     @property
     def merge_rate(self) -> float | None:
         return self.delta.merge_rate
+
+    @property
+    def sync_every(self) -> int:
+        """The current number of local steps between two exchanges (chosen from measured times with ``"auto"``)."""
+        return self.period.value
+
+    @sync_every.setter
+    def sync_every(self, value: SyncEvery) -> None:
+        self.period = SyncPeriod(value)
+
+    def retune_sync_every(self) -> int:
+        """``sync_every="auto"``: choose H again from the recent step and exchange times; returns the current H."""
+        return self.period.retune()
 
     @property
     def exchanges(self) -> int:
@@ -224,25 +242,29 @@ class LocalUpdates(torch.optim.Optimizer):
         loss = self._inner_step(closure)
         if self.attached:
             self.local_steps += 1
+            self.period.step_ended()
             if self.local_steps >= self.sync_every:
                 self.exchange()
         return loss  # type: ignore[no-any-return]
 
     def exchange(self) -> None:
         """Push this worker's delta, pull the global copy and continue from it."""
+        self.period.exchange_started()
         self.delta.exchange(self.local_steps)
+        self.period.exchange_ended()
         self.local_steps = 0
 
     def flush(self) -> None:
         """Exchange now if there were local steps since the last exchange (before validating or saving)."""
         if self.attached and self.local_steps > 0:
             self.exchange()
+        self.period.pause()  # what runs next (validation, saving) is no local step
 
     # -- pickling and checkpoints -----------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
         rule = self.delta.rule
         return {
-            "sync_every": self.sync_every,
+            "sync_every": self.period.setting,
             "outer": rule.outer,
             "merge_rate": rule.merge_rate,
             "outer_lr": rule.outer_lr,
@@ -260,7 +282,7 @@ class LocalUpdates(torch.optim.Optimizer):
         """A copy or an unpickled wrapper has a detached exchange: it is not attached to the original's PS."""
         settings = dict(state["settings"])
         counts = (int(settings.pop("exchanges", 0)), int(settings.pop("discarded_exchanges", 0)))
-        sync_every = int(settings.pop("sync_every", 4))
+        sync_every = check_sync_period(settings.pop("sync_every", 4))
         self._setup(state["inner"], sync_every, OuterRule(**settings), counts)
 
     def state_dict(self) -> dict[str, Any]:
@@ -278,4 +300,4 @@ class LocalUpdates(torch.optim.Optimizer):
         self.delta.discarded = int(extra.get("discarded_exchanges", 0))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.inner!r}, sync_every={self.sync_every}, rule={self.delta.rule!r})"
+        return f"{type(self).__name__}({self.inner!r}, sync_every={self.period.setting!r}, rule={self.delta.rule!r})"

@@ -4,9 +4,10 @@
 the outer optimizer it returns is the one ``outer=`` chose (``ivyplug.ps.delta_exchange.OuterRule``).
 
 Such an optimizer steps on the worker and exchanges its progress with the servers itself, every few
-steps. A training loop (the Lightning strategy, a Keras callback) needs only these four calls: start the
-PS with the optimizer the servers run instead (the *outer* one), attach the client, and at every meeting
-point (validation, checkpoint, end of fit) flush the local progress before a sync and re-snapshot after.
+steps. A training loop (the Lightning strategy, a Keras callback) needs only these calls: start the PS with
+the optimizer the servers run instead (the *outer* one), attach the client, at every meeting point
+(validation, checkpoint, end of fit) flush the local progress before a sync and re-snapshot after, and at each
+epoch's end let the optimizer re-choose its period (``sync_every="auto"``), which it reports as a metric.
 """
 
 from __future__ import annotations
@@ -30,3 +31,10 @@ class LocalUpdates(Protocol):
 
     def reset_snapshot(self) -> None:
         """Measure the next delta from the current values (after a sync or a load)."""
+
+    @property
+    def sync_every(self) -> int:
+        """Local steps between two exchanges, now."""
+
+    def retune_sync_every(self) -> int:
+        """At an epoch's end: choose ``sync_every`` again where it is chosen from measured times; returns it."""

@@ -180,15 +180,16 @@ def _provider_of(module_or_obj: object) -> str:
     return getattr(module_or_obj, "__name__", type(module_or_obj).__name__)
 
 
-def _collect(registry: Registry, plugin: object, plugin_name: str, provider: str) -> None:
-    """Call each hook of one plugin in isolation so failures are attributed to it."""
+def _collect(registry: Registry, pm: pluggy.PluginManager, plugin_name: str, provider: str) -> None:
+    """Call each hook implementation of one plugin, as the plugin manager holds them, in isolation so that a
+    failure is attributed to that plugin (``pm.hook.<name>()`` would stop at the first that raises)."""
     collected: list[Entry] = []
     try:
         for kind, hook_name in _HOOK_FOR_KIND.items():
-            impl = getattr(plugin, hook_name, None)
-            if impl is None:
+            impls = [i for i in getattr(pm.hook, hook_name).get_hookimpls() if i.plugin_name == plugin_name]
+            if not impls:
                 continue
-            result: Iterable[Component] | None = impl()
+            result: Iterable[Component] | None = impls[0].function()
             for component in result or ():
                 expected = KIND_TYPES[kind]
                 if not isinstance(component, expected):
@@ -215,11 +216,11 @@ def build_registry(autoload: bool | None = None, builtins: Iterable[str] | None 
     pm.add_hookspecs(hookspecs)
     registry = Registry(pm)
 
-    loaded: list[tuple[object, str, str]] = []
+    loaded: list[tuple[str, str]] = []  # (plugin name, provider), in load order
     for module_name in BUILTIN_PLUGINS if builtins is None else builtins:
         module = importlib.import_module(module_name)
         pm.register(module, name=module_name)
-        loaded.append((module, module_name, BUILTIN_PROVIDER))
+        loaded.append((module_name, BUILTIN_PROVIDER))
 
     if autoload:
         from importlib.metadata import entry_points
@@ -237,11 +238,11 @@ def build_registry(autoload: bool | None = None, builtins: Iterable[str] | None 
             except Exception as exc:
                 registry.errors.append(PluginError(ep.name, provider, exc))
                 continue
-            loaded.append((plugin, ep.name, provider))
+            loaded.append((ep.name, provider))
 
     pm.check_pending()
-    for plugin, plugin_name, provider in loaded:
-        _collect(registry, plugin, plugin_name, provider)
+    for plugin_name, provider in loaded:
+        _collect(registry, pm, plugin_name, provider)
     for err in registry.errors:
         warnings.warn(f"ivyplug: {err}", RuntimeWarning, stacklevel=2)
     return registry

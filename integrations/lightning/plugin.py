@@ -1,38 +1,25 @@
 """ivyplug registry plugin for the Lightning adapters.
 
-Only ``"module:attr"`` strings live here, so listing components imports no framework.
+Only ``"module:attr"`` strings live here, so listing components imports no framework. The strategy names,
+their defaults and descriptions are declared once, in :mod:`.registration` (standard library only), which
+also registers them with Lightning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ivyplug.integrations.lightning import registration
+
 from ivyplug.components import Callback, Strategy
 from ivyplug.hookspecs import hookimpl
-
-_REGISTRATION = "ivyplug.integrations.lightning.registration"
 
 
 @hookimpl
 def ivyplug_strategies() -> Iterator[Strategy]:
-    yield Strategy(
-        "ivy_ps",
-        f"{_REGISTRATION}:ivy_ps",
-        framework="lightning",
-        description="parameter-server training, asynchronous (Trainer(strategy='ivy_ps'))",
-    )
-    yield Strategy(
-        "ivy_ps_sync",
-        f"{_REGISTRATION}:ivy_ps_sync",
-        framework="lightning",
-        description="parameter-server training, synchronous (same math as DDP)",
-    )
-    yield Strategy(
-        "ivy_ps_ssp",
-        f"{_REGISTRATION}:ivy_ps_ssp",
-        framework="lightning",
-        description="parameter-server training, stale-synchronous (bounded staleness, default 4 steps)",
-    )
+    for factory in registration.FACTORIES:
+        target = f"{registration.__name__}:{factory.name}"
+        yield Strategy(factory.name, target, framework="lightning", description=factory.description)
 
 
 @hookimpl

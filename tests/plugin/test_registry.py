@@ -119,8 +119,11 @@ def _manual_registry(*components: object) -> reg.Registry:
 
     plugin.ivyplug_optimizers = ivyplug_optimizers
     plugin.ivyplug_callbacks = ivyplug_callbacks
-    registry = reg.Registry(reg.pluggy.PluginManager("ivyplug"))
-    reg._collect(registry, plugin, "manual", "manual-pkg")
+    pm = reg.pluggy.PluginManager("ivyplug")
+    pm.add_hookspecs(reg.hookspecs)
+    pm.register(plugin, name="manual")
+    registry = reg.Registry(pm)
+    reg._collect(registry, pm, "manual", "manual-pkg")
     return registry
 
 

@@ -230,19 +230,43 @@ def test_bad_settings_are_refused_by_name(make: Callable[[], Any], match: str) -
         make()
 
 
-def test_a_client_over_the_model_itself_is_refused_with_overlap() -> None:
+def test_a_client_started_directly_over_ps_tensors_and_one_over_the_model_refused() -> None:
     model = Net()
     opt = _opt(model, overlap=True)
-    outer = opt.outer_optimizer("async", 1)
-    shadows, _ = opt.ps_tensors(list(model.named_parameters()))
-    client = PSClient.start(PSConfig(mode="async"), shadows, optimizer=outer)
+    params, buffers = opt.ps_tensors(list(model.named_parameters()), list(model.named_buffers()))
+    client = PSClient.start(PSConfig(mode="async"), params, buffers, optimizer=opt.outer_optimizer("async", 1))
     try:
         assert [n for n, _ in client.params] == [n for n, _ in model.named_parameters()]
+        client.pull_initial()
+        opt.attach(client)
+        x0 = _params(model)
+        total = _run(model, opt, client)
+        _check_global(model, opt, client, x0, total)
         other = _opt(Net(), overlap=True)
         other.outer_optimizer("async", 1)
+        other.delta.outer = client.optimizer  # the right optimizer, but the client holds other tensors
         with pytest.raises(ValueError, match="ps_tensors"):
-            other.delta.outer = outer  # the right optimizer, but the client holds other tensors
             other.attach(client)
+    finally:
+        client.close()
+
+
+def test_bf16_error_feedback_is_kept_on_the_training_thread() -> None:
+    """wire_dtype="bfloat16": the deltas are rounded with error feedback before the thread starts; the servers'
+    copy ends at the start plus the true sum less the last carried error e, |e| <= half a bf16 unit."""
+    model = Net()
+    opt = _opt(model, overlap=True)
+    cfg = PSConfig(mode="async", wire_dtype="bfloat16")
+    client = opt.start_ps(cfg, list(model.named_parameters()), list(model.named_buffers()))
+    try:
+        x0 = _params(model)
+        total = _run(model, opt, client)
+        residual = opt.delta.residual
+        assert residual is not None and any(bool(e.abs().max() > 0) for e in residual)
+        for p, a, t, e in zip(model.parameters(), x0, total, residual, strict=True):
+            # e is x_pulled − x_local left unsent: the servers' copy is the true one plus e
+            np.testing.assert_allclose(p.detach().double().numpy() - e.double().numpy(), a + t, rtol=0, atol=2e-6)
+            assert float(e.abs().max()) <= 2.0**-9 * 0.2  # half a bf16 unit of deltas below 0.2
     finally:
         client.close()
 

@@ -311,14 +311,19 @@ class DeltaExchange:
     def ps_tensors(self, params: Sequence[Any], buffers: Sequence[Any] = ()) -> tuple[list[Any], list[Any]]:
         """The params and buffers to start the PSClient over: shadow copies with ``overlap``, else the same.
 
-        Items are tensors or (name, tensor) pairs (as for ``PSClient.start``), returned in the same form.
+        Items are tensors or (name, tensor) pairs (as for ``PSClient.start``), returned in the same form. The
+        shadows take the tensors' current values (the values a new PSClient starts from).
         """
+        params, buffers = list(params), list(buffers)
         named_params, named_buffers = _pairs(params, "params"), _pairs(buffers, "buffers")
         if not self.overlap:
-            return list(params), list(buffers)
+            return params, buffers
         held = {id(p) for p in self.params}
         self._extra = [(p, self._shadow(p)) for _, p in named_params if id(p) not in held]
         self._buffers = [(b, self._shadow(b)) for _, b in named_buffers]
+        with torch.no_grad():
+            for _, t in [*named_params, *named_buffers]:
+                self._shadow(t).copy_(t)
 
         def out(named: list[tuple[str | None, Tensor]]) -> list[Any]:
             return [self._shadow(t) if n is None else (n, self._shadow(t)) for n, t in named]

@@ -237,6 +237,7 @@ def test_a_client_started_directly_over_ps_tensors_and_one_over_the_model_refuse
     client = PSClient.start(PSConfig(mode="async"), params, buffers, optimizer=opt.outer_optimizer("async", 1))
     try:
         assert [n for n, _ in client.params] == [n for n, _ in model.named_parameters()]
+        assert opt.ps_tensors(model.named_parameters())[0][0][1] is params[0][1]  # one shadow per tensor
         client.pull_initial()
         opt.attach(client)
         x0 = _params(model)
@@ -279,3 +280,16 @@ def test_copies_and_checkpoints_keep_the_setting() -> None:
     assert copy.deepcopy(opt).overlap and pickle.loads(pickle.dumps(opt)).overlap
     assert opt.state_dict()[AsyncLAMB.state_key]["overlap"] is True
     assert "overlap=True" in repr(opt) and not AsyncLAMB(Net().parameters()).overlap
+
+
+def test_ps_tensors_takes_generators_and_refreshes_the_shadows() -> None:
+    model = Net()
+    plain = _opt(model, overlap=False).ps_tensors(model.named_parameters(), model.named_buffers())
+    assert [t for _, t in plain[0]] == list(model.parameters()) and len(plain[1]) == 2
+    opt = _opt(model, overlap=True)
+    first, _ = opt.ps_tensors(model.named_parameters())
+    with torch.no_grad():
+        model.lin.weight.add_(1.0)
+    again, _ = opt.ps_tensors(model.named_parameters())
+    assert again[0][1] is first[0][1] and torch.equal(again[0][1], model.lin.weight)
+    assert again[0][1] is not model.lin.weight

@@ -103,7 +103,11 @@ class IvyPSStrategy(DDPStrategy):
 
     The servers run the module's optimizer on pushed gradients. With :class:`ivyplug.optim.AsyncLAMB` the
     workers step locally instead and exchange deltas every ``sync_every`` steps (the servers run its outer
-    SGD); before validation, checkpoints and the end of fit every worker flushes its delta and pulls.
+    SGD); before validation, checkpoints and the end of fit every worker flushes its delta and pulls. With
+    ``AsyncLAMB(..., overlap=True)`` (mode ``"async"`` or ``"sync"``) each exchange runs in the background
+    while local steps go on; the PS client then holds the optimizer's shadow copies of the parameters and
+    buffers (``ps_tensors``), and the time waited for exchanges in flight is logged as
+    ``ivy/rank{r}/overlap_wait_s``.
 
     Args:
         mode: ``"async"`` (default: each push applied on arrival), ``"sync"`` (every worker's gradient of

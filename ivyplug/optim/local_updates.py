@@ -275,6 +275,8 @@ class LocalUpdates(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One local step of the inner optimizer; every ``sync_every``-th step also exchanges with the PS."""
+        if self.delta.overlap:
+            self.delta.raise_failed()  # an exchange that failed in the background stops training here
         loss = self._inner_step(closure)
         if self.attached:
             self.local_steps += 1

@@ -41,7 +41,8 @@ so the thread never touches the model. At an exchange point, with x the model's 
 
 The steps taken while an exchange is in flight started from a point that did not include its merge: one
 exchange of delay, as in Streaming DiLoCo's overlapped outer step. A dropped (non-finite) delta restarts the
-worker from the global copy, the steps taken meanwhile included. An error of the thread is raised by the next
+worker from the global copy, the steps taken meanwhile included. An error of the thread is raised in the
+training thread by the first local step after it ended (:meth:`DeltaExchange.raise_failed`), or by the next
 exchange point or :meth:`DeltaExchange.finish`.
 """
 
@@ -393,6 +394,14 @@ class DeltaExchange:
             if note is not None:
                 note("raised by the overlapped exchange's background thread (overlap=True)")
         return job
+
+    def raise_failed(self) -> None:
+        """``overlap``: raise now what the exchange in flight raised, if its thread already ended with an error."""
+        job = self._inflight
+        if job is not None and job.error is not None and job.thread is not None and not job.thread.is_alive():
+            failed = self._join()
+            assert failed is not None and failed.error is not None
+            raise failed.error
 
     @torch.no_grad()
     def start(self, local_steps: int) -> None:

@@ -180,10 +180,15 @@ def test_an_error_of_the_background_exchange_is_raised_by_the_next_exchange_poin
         gen = torch.Generator().manual_seed(4)
         _local_step(model, opt, gen, poison=True)
         _local_step(model, opt, gen)  # starts the exchange, which raises on its thread
-        _local_step(model, opt, gen)
-        with pytest.raises(PSNonFiniteError, match="nonfinite='raise'"):
+        job = opt.delta._inflight
+        assert job is not None and job.thread is not None
+        job.thread.join(30)
+        before = _params(model)
+        with pytest.raises(PSNonFiniteError, match="nonfinite='raise'"):  # the very next local step
             _local_step(model, opt, gen)
-        assert not opt.delta.in_flight
+        assert not opt.delta.in_flight and opt.local_steps == 0
+        for a, b in zip(_params(model), before, strict=True):  # raised before the inner step
+            np.testing.assert_array_equal(a, b)
     finally:
         client.close()
 

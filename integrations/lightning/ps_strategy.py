@@ -103,7 +103,11 @@ class IvyPSStrategy(DDPStrategy):
 
     The servers run the module's optimizer on pushed gradients. With :class:`ivyplug.optim.AsyncLAMB` the
     workers step locally instead and exchange deltas every ``sync_every`` steps (the servers run its outer
-    SGD); before validation, checkpoints and the end of fit every worker flushes its delta and pulls.
+    SGD); before validation, checkpoints and the end of fit every worker flushes its delta and pulls. With
+    ``AsyncLAMB(..., overlap=True)`` (mode ``"async"`` or ``"sync"``) each exchange runs in the background
+    while local steps go on; the PS client then holds the optimizer's shadow copies of the parameters and
+    buffers (``ps_tensors``), and the time waited for exchanges in flight is logged as
+    ``ivy/rank{r}/overlap_wait_s``.
 
     Args:
         mode: ``"async"`` (default: each push applied on arrival), ``"sync"`` (every worker's gradient of
@@ -324,11 +328,16 @@ class IvyPSStrategy(DDPStrategy):
         # local updates (AsyncLAMB): the worker steps and pushes deltas itself; the servers run its outer optimizer
         local = optimizer if isinstance(optimizer, LocalUpdates) else None
         self._local_updates = local
+        params: list[Any] = list(module.named_parameters())
+        buffers: list[Any] = list(module.named_buffers())
+        ps_tensors = getattr(local, "ps_tensors", None)
+        if ps_tensors is not None:  # overlapped exchanges: the client holds shadow copies, never the model's
+            params, buffers = ps_tensors(params, buffers)
         served = optimizer if local is None else local.outer_optimizer(self.mode, self.world_size)
         self._client = PSClient.start(
             self.ps_config,
-            params=list(module.named_parameters()),
-            buffers=list(module.named_buffers()),
+            params=params,
+            buffers=buffers,
             optimizer=served,
             rank=self.global_rank,
             world_size=self.world_size,
@@ -416,7 +425,10 @@ class IvyPSStrategy(DDPStrategy):
             self._lost_ranks = client.lost_ranks
         self._client = None
         self._remove_patches(getattr(self.lightning_module, "_trainer", None))
+        detach = getattr(self._local_updates, "detach", None)
         try:
+            if detach is not None and client is not None:  # an overlapped exchange still in flight (a failed fit)
+                detach()
             if client is not None:
                 client.close()
         finally:
@@ -609,6 +621,8 @@ class IvyPSStrategy(DDPStrategy):
         metrics = dict(self._client.metrics())
         if self._local_updates is not None:
             metrics["sync_every"] = float(self._local_updates.sync_every)
+            if getattr(self._local_updates, "overlap", False):
+                metrics["overlap_wait_s"] = float(self._local_updates.overlap_wait_s)  # type: ignore[attr-defined]
         return metrics
 
     def end_train_epoch(self) -> None:

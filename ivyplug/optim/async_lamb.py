@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ivyplug.optim.local_updates import LocalUpdates
 from ivyplug.optim.optimizer import LAMB
-from ivyplug.ps.delta_exchange import OuterRule
+from ivyplug.ps.delta_exchange import OuterRule, check_overlap
 from ivyplug.ps.sync_period import SyncEvery, check_sync_period
 
 
@@ -35,6 +35,8 @@ class AsyncLAMB(LocalUpdates):
             mode, 1/num_workers in async/ssp (see :mod:`ivyplug.ps.delta_exchange`).
         outer, outer_lr, outer_momentum, outer_momentum_every: the outer optimizer, as for
             :class:`~ivyplug.optim.LocalUpdates`; ``outer="lamb"`` clips its trust ratio to ``max_trust_ratio``.
+        overlap: exchange in the background while local steps go on (one exchange stale; mode ``"sync"`` or
+            ``"async"``), see :class:`~ivyplug.optim.LocalUpdates`.
 
     Example:
         >>> import torch
@@ -76,9 +78,11 @@ class AsyncLAMB(LocalUpdates):
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
         outer_momentum_every: int | None = None,
+        overlap: bool = False,
     ) -> None:
         # the new arguments' errors come before LAMB's own checks
         check_sync_period(sync_every)
+        check_overlap(overlap)
         OuterRule(outer, merge_rate, outer_lr, outer_momentum, outer_momentum_every, 1.0)
         lamb = LAMB(
             params,
@@ -101,6 +105,7 @@ class AsyncLAMB(LocalUpdates):
             outer_momentum=outer_momentum,
             outer_momentum_every=outer_momentum_every,
             max_trust_ratio=max_trust_ratio,
+            overlap=overlap,
         )
 
     # -- LAMB's own attributes --------------------------------------------------------------------

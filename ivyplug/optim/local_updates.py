@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ivyplug.ps.delta_exchange import DeltaExchange, OuterRule
+from ivyplug.ps.delta_exchange import DeltaExchange, OuterRule, check_overlap
 from ivyplug.ps.sync_period import SyncEvery, SyncPeriod, check_sync_period
 
 if TYPE_CHECKING:
@@ -63,6 +63,11 @@ class LocalUpdates(torch.optim.Optimizer):
         outer_momentum_every: ``"nesterov"``: merges per momentum update (delayed Nesterov); ``None``: 1 in
             sync mode, num_workers in async/ssp.
         max_trust_ratio: ``"lamb"``: the upper clip of the outer trust ratio; default 10.0.
+        overlap: run each exchange in the background while the worker keeps taking local steps (mode
+            ``"sync"`` or ``"async"``): at the next exchange point the worker continues from the pulled global
+            copy plus the progress made since the push, ``x ← g + (x − x_sent)``, one exchange stale (see
+            :mod:`ivyplug.ps.delta_exchange`). The PSClient must then be started over :meth:`ps_tensors`
+            (:meth:`start_ps` and the Lightning strategy do so). Default False.
 
     Example:
         >>> import torch
@@ -94,6 +99,7 @@ class LocalUpdates(torch.optim.Optimizer):
         outer_momentum: float | None = None,
         outer_momentum_every: int | None = None,
         max_trust_ratio: float = 10.0,
+        overlap: bool = False,
     ) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise ValueError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
@@ -101,10 +107,15 @@ class LocalUpdates(torch.optim.Optimizer):
             raise ValueError("inner is already a LocalUpdates optimizer: wrap its inner optimizer instead")
         sync_every = check_sync_period(sync_every)
         rule = OuterRule(outer, merge_rate, outer_lr, outer_momentum, outer_momentum_every, max_trust_ratio)
-        self._setup(inner, sync_every, rule)
+        self._setup(inner, sync_every, rule, overlap=check_overlap(overlap))
 
     def _setup(
-        self, inner: torch.optim.Optimizer, sync_every: SyncEvery, rule: OuterRule, counts: tuple[int, int] = (0, 0)
+        self,
+        inner: torch.optim.Optimizer,
+        sync_every: SyncEvery,
+        rule: OuterRule,
+        counts: tuple[int, int] = (0, 0),
+        overlap: bool = False,
     ) -> None:
         """What ``torch.optim.Optimizer.__init__`` sets up, minus the param groups (those are ``inner``'s)."""
         self.inner = inner
@@ -113,7 +124,7 @@ class LocalUpdates(torch.optim.Optimizer):
         self._patch_step_function()
         self.period = SyncPeriod(sync_every)
         self.local_steps = 0  # since the last exchange
-        self.delta = DeltaExchange(self._held(), rule=rule)
+        self.delta = DeltaExchange(self._held(), rule=rule, overlap=overlap)
         self.delta.exchanges, self.delta.discarded = counts
 
     # -- the inner optimizer's groups and state ---------------------------------------------------
@@ -182,6 +193,16 @@ class LocalUpdates(torch.optim.Optimizer):
         return self.period.retune()
 
     @property
+    def overlap(self) -> bool:
+        """Whether exchanges run in the background while local steps go on."""
+        return self.delta.overlap
+
+    @property
+    def overlap_wait_s(self) -> float:
+        """``overlap``: seconds this worker waited for an exchange in flight, in total."""
+        return self.delta.wait_seconds
+
+    @property
     def exchanges(self) -> int:
         return self.delta.exchanges
 
@@ -198,10 +219,21 @@ class LocalUpdates(torch.optim.Optimizer):
         """The optimizer the servers mirror: pass it as ``optimizer=`` to ``PSClient.start``, then attach."""
         return self.delta.outer_optimizer(mode, num_workers)
 
+    def ps_tensors(self, params: Sequence[Any], buffers: Sequence[Any] = ()) -> tuple[list[Any], list[Any]]:
+        """What to start the PSClient over: shadow copies of ``params``/``buffers`` with ``overlap`` (the
+        background exchange writes those, never the model), else the same tensors. Tensors or (name, tensor)
+        pairs, returned in the same form."""
+        return self.delta.ps_tensors(params, buffers)
+
     def attach(self, client: PSClient) -> None:
         """Exchange through ``client`` from now on; call after ``client.pull_initial()`` (or any pull)."""
         self.delta.attach(client)
         self.local_steps = 0
+
+    def detach(self) -> None:
+        """Wait for an exchange in flight and drop it, then forget the client (teardown, before its close)."""
+        self.delta.close()
+        self.delta.client = None
 
     def start_ps(
         self, cfg: PSConfig, params: Sequence[Any], buffers: Sequence[Any] = (), **start_kwargs: Any
@@ -217,6 +249,7 @@ class LocalUpdates(torch.optim.Optimizer):
             import torch.distributed as dist
 
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        params, buffers = self.ps_tensors(params, buffers)
         outer = self.outer_optimizer(cfg.mode, int(world))
         client = PSClient.start(cfg, params, buffers, optimizer=outer, **start_kwargs)
         client.pull_initial()
@@ -224,7 +257,10 @@ class LocalUpdates(torch.optim.Optimizer):
         return client
 
     def reset_snapshot(self) -> None:
-        """Take the current parameters as the global copy (after a pull that did not go through exchange)."""
+        """Take the current parameters as the global copy (after a pull that did not go through exchange).
+
+        ``overlap``: the model's params and buffers become the client's (the global copy last pulled).
+        """
         self.delta.reset_snapshot()
         self.local_steps = 0
 
@@ -239,6 +275,8 @@ class LocalUpdates(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One local step of the inner optimizer; every ``sync_every``-th step also exchanges with the PS."""
+        if self.delta.overlap:
+            self.delta.raise_failed()  # an exchange that failed in the background stops training here
         loss = self._inner_step(closure)
         if self.attached:
             self.local_steps += 1
@@ -248,16 +286,27 @@ class LocalUpdates(torch.optim.Optimizer):
         return loss  # type: ignore[no-any-return]
 
     def exchange(self) -> None:
-        """Push this worker's delta, pull the global copy and continue from it."""
+        """Push this worker's delta, pull the global copy and continue from it (``overlap``: apply the
+        exchange in flight and start this one in the background)."""
         self.period.exchange_started()
-        self.delta.exchange(self.local_steps)
+        if self.delta.overlap:
+            self.delta.start(self.local_steps)
+        else:
+            self.delta.exchange(self.local_steps)
         self.period.exchange_ended()
         self.local_steps = 0
 
     def flush(self) -> None:
-        """Exchange now if there were local steps since the last exchange (before validating or saving)."""
+        """Exchange now if there were local steps since the last exchange (before validating or saving).
+
+        ``overlap``: the exchange in flight is applied first, and this one is waited for.
+        """
+        if self.attached and self.delta.overlap:
+            self.delta.finish()
         if self.attached and self.local_steps > 0:
             self.exchange()
+            if self.delta.overlap:
+                self.delta.finish()
         self.period.pause()  # what runs next (validation, saving) is no local step
 
     # -- pickling and checkpoints -----------------------------------------------------------------
@@ -271,6 +320,7 @@ class LocalUpdates(torch.optim.Optimizer):
             "outer_momentum": rule.outer_momentum,
             "outer_momentum_every": rule.outer_momentum_every,
             "max_trust_ratio": rule.max_trust_ratio,
+            "overlap": self.delta.overlap,
             "exchanges": self.exchanges,
             "discarded_exchanges": self.discarded_exchanges,
         }
@@ -283,7 +333,8 @@ class LocalUpdates(torch.optim.Optimizer):
         settings = dict(state["settings"])
         counts = (int(settings.pop("exchanges", 0)), int(settings.pop("discarded_exchanges", 0)))
         sync_every = check_sync_period(settings.pop("sync_every", 4))
-        self._setup(state["inner"], sync_every, OuterRule(**settings), counts)
+        overlap = check_overlap(settings.pop("overlap", False))
+        self._setup(state["inner"], sync_every, OuterRule(**settings), counts, overlap)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, plus the wrapper's settings and counters under :attr:`state_key`."""
@@ -300,4 +351,8 @@ class LocalUpdates(torch.optim.Optimizer):
         self.delta.discarded = int(extra.get("discarded_exchanges", 0))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.inner!r}, sync_every={self.period.setting!r}, rule={self.delta.rule!r})"
+        extra = ", overlap=True" if self.delta.overlap else ""
+        return (
+            f"{type(self).__name__}({self.inner!r}, sync_every={self.period.setting!r}, rule={self.delta.rule!r}"
+            f"{extra})"
+        )

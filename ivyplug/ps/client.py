@@ -103,6 +103,9 @@ class PSClient:
         self.early: EarlyPush | None = None
         self._scales_pushes = False  # async/ssp clipping rescales every push at the step: nothing to send early
         self._shm_failed = False  # a shared-memory region could not be made: warned once, every shard on gloo
+        # held around every use of the shard endpoints (a step, a pull, sync, checkpoints, close): an optimizer
+        # with overlapped exchanges steps from a thread of its own while the training thread asks for batches
+        self._lock = threading.RLock()
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -261,6 +264,19 @@ class PSClient:
             )
 
     # -- the training-step API ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """Hold the client's request lock (``PSConfig.timeout``): one request to the shards at a time."""
+        if not self._lock.acquire(timeout=self.cfg.timeout):
+            raise PSTimeoutError(
+                f"rank {self.rank}: {what} waited more than timeout={self.cfg.timeout:g} s for the request in "
+                "progress on another thread (an overlapped exchange) to end"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _collect(self, pending: list[tuple[int, PendingReply]]) -> tuple[list[int], float]:
         """Wait for every shard's reply, unpack it; returns the replies' staleness and summed ``grad_sq``."""
         staleness = []
@@ -317,7 +333,7 @@ class PSClient:
 
     def _pull_all(self) -> None:
         self._check_open()
-        with self._servers_named():
+        with self._exclusive("a pull"), self._servers_named():
             pending = [(s, ep.pull(self.rank, self._reply_targets(s))) for s, ep in self.topo.endpoints.items()]
             self._collect(pending)
         self.m.pulls += 1
@@ -349,6 +365,10 @@ class PSClient:
                 "max_grad_norm in sync mode clips by the global norm, which the shards of a job on several ivyplug "
                 "serve processes cannot combine (yet): hold every shard in one service, or clip in async/ssp"
             )
+        with self._exclusive("a step"):
+            self._step(num_samples, max_grad_norm, delta, clip, sync_clip)
+
+    def _step(self, num_samples: int, max_grad_norm: float | None, delta: bool, clip: float, sync_clip: float) -> None:
         early: set[int] = set()
         if self.early is not None:
             early = self.early.take(valid=clip == 1.0)
@@ -466,10 +486,11 @@ class PSClient:
         """Collective: let every in-flight push land, then pull the global params and buffers."""
         self._check_open()
         self.end_epoch()  # a worker waiting for this one's batches must reach the barrier too
-        for ep in self.topo.endpoints.values():
-            ep.idle(self.rank)
-        self.workers.barrier("every worker to reach sync()")
-        self._pull_all()
+        with self._exclusive("sync()"):
+            for ep in self.topo.endpoints.values():
+                ep.idle(self.rank)
+            self.workers.barrier("every worker to reach sync()")
+            self._pull_all()
 
     # -- data dispatch and stop signal ----------------------------------------------------------
     def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None:
@@ -509,8 +530,9 @@ class PSClient:
         check_count("finished", finished)
         index = self._ask_queue(finished, BatchAsk.NOW)
         if index == WAIT:  # leave the SSP clock first: a worker blocked by its clock may hold what this one waits for
-            for ep in self.topo.endpoints.values():
-                ep.idle(self.rank)
+            with self._exclusive("next_batch()"):
+                for ep in self.topo.endpoints.values():
+                    ep.idle(self.rank)
             index = self._ask_queue(finished, BatchAsk.WAIT)
         if index < 0:
             return None
@@ -588,6 +610,10 @@ class PSClient:
     def state_dict(self) -> dict[str, Any]:
         """Collective: every shard's params, buffers, optimizer state, version and clocks (on every rank)."""
         self._check_open()
+        with self._exclusive("state_dict()"):
+            return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         self.workers.barrier("every worker to reach state_dict()")
         if self.topo.local is not None:  # co-located: every worker holds one shard
             blobs = self.workers.share_all(self.topo.local.state())
@@ -599,6 +625,10 @@ class PSClient:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Collective: restore every shard from :meth:`state_dict` output (given on every rank), then pull."""
         self._check_open()
+        with self._exclusive("load_state_dict()"):
+            self._load_state_dict(state)
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
         shards = checkpoint.shards_to_load(state, self._meta())
         if state["mode"] != self.cfg.mode:
             log.info("ivyplug PS: resuming a %s-mode state in %s mode (clocks restart)", state["mode"], self.cfg.mode)
@@ -648,6 +678,12 @@ class PSClient:
 
     def close(self) -> None:
         """Stop the server thread/processes (after every peer said BYE) and drop the PS groups. Idempotent."""
+        if self.closed:
+            return
+        with self._exclusive("close()"):
+            self._close()
+
+    def _close(self) -> None:
         if self.closed:
             return
         self.closed = True

@@ -27,20 +27,42 @@ With ``PSConfig.wire_dtype="bfloat16"`` a delta travels in bf16 with error feedb
 ``e ← e + Δ − bf16(e + Δ)``. The deltas applied then sum to the true deltas' sum less the last ``e``, which is
 at most half a bf16 unit of the last pushed delta per element: nothing is lost over time. ``e`` restarts at
 zero after a dropped (non-finite) delta; it is not part of a checkpoint (it is below one bf16 rounding).
+
+Overlapped exchange (``overlap=True``, docs/design.md "Overlapped exchange"): the push and the pull run on a
+background thread while the worker keeps taking local steps on its model; at most one exchange is in flight.
+The PSClient is started over *shadow* copies of the parameters and buffers (:meth:`DeltaExchange.ps_tensors`),
+so the thread never touches the model. At an exchange point, with x the model's parameters and s the snapshot:
+
+1. wait for the exchange in flight (``PSConfig.timeout``), and apply it: with g the pulled global copy and
+   x_sent the parameters it pushed from, ``x ← g + (x − x_sent)`` and ``s ← g`` (buffers likewise:
+   ``b ← b_pulled + (b − b_sent)``);
+2. push ``s − x`` (every local step since the last push, each pushed exactly once) in the background and
+   remember ``x_sent ← x``.
+
+The steps taken while an exchange is in flight started from a point that did not include its merge: one
+exchange of delay, as in Streaming DiLoCo's overlapped outer step. A dropped (non-finite) delta restarts the
+worker from the global copy, the steps taken meanwhile included. An error of the thread is raised in the
+training thread by the first local step after it ended (:meth:`DeltaExchange.raise_failed`), or by the next
+exchange point or :meth:`DeltaExchange.finish`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
     from ivyplug.ps.client import PSClient
+
+log = logging.getLogger(__name__)
 
 
 def check_merge_rate(value: object) -> float | None:
@@ -189,8 +211,42 @@ class OuterRule:
         )
 
 
+def check_overlap(value: object) -> bool:
+    """A bool (ValueError naming ``overlap`` otherwise)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"overlap must be True or False, got {value!r}")
+    return value
+
+
+def _pairs(items: Sequence[Any], what: str) -> list[tuple[str | None, Tensor]]:
+    out: list[tuple[str | None, Tensor]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, Tensor):
+            out.append((None, item))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Tensor):
+            out.append((str(item[0]), item[1]))
+        else:
+            raise ValueError(f"{what} must be tensors or (name, tensor) pairs, got {type(item).__name__} at {i}")
+    return out
+
+
+class _InFlight:
+    """One exchange running on its background thread (see the module docstring, "Overlapped exchange")."""
+
+    def __init__(self, sent: list[Tensor], buffers_sent: list[Tensor]) -> None:
+        self.sent = sent  # the parameters the pushed delta was measured at
+        self.buffers_sent = buffers_sent
+        self.dropped = False
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+
 class DeltaExchange:
-    """Measures a worker's progress since its last pull and exchanges it through a :class:`PSClient`."""
+    """Measures a worker's progress since its last pull and exchanges it through a :class:`PSClient`.
+
+    ``overlap=True``: the exchange runs in the background (:meth:`start`, :meth:`finish`; the module docstring
+    states the rule); the PSClient must then be started over :meth:`ps_tensors`.
+    """
 
     def __init__(
         self,
@@ -199,8 +255,17 @@ class DeltaExchange:
         rule: OuterRule | None = None,
         *,
         error_feedback: bool = True,
+        overlap: bool = False,
     ) -> None:
         self.params = list(params)
+        self.overlap = check_overlap(overlap)
+        # overlap: id(model tensor) -> (model tensor, its shadow, which the PSClient holds)
+        self._shadows: dict[int, tuple[Tensor, Tensor]] = {}
+        self._extra: list[tuple[Tensor, Tensor]] = []  # (model, shadow) of params the optimizer does not hold
+        self._buffers: list[tuple[Tensor, Tensor]] = []  # (model buffer, shadow buffer)
+        self._inflight: _InFlight | None = None
+        #: overlap: seconds the training thread waited for an exchange in flight
+        self.wait_seconds = 0.0
         #: bf16 wire only: carry each delta's rounding error into the next one (False: plain rounding)
         self.error_feedback = error_feedback
         self.residual: list[Tensor] | None = None
@@ -228,27 +293,200 @@ class DeltaExchange:
         """
         if rule is not None:
             self.rule = rule
-        self.outer = self.rule.build(self.params, mode, num_workers)
+        if self.overlap and mode == "ssp":
+            raise ValueError(
+                "overlap=True runs in mode='sync' or 'async': in ssp a push in flight may wait on the clock for a "
+                "worker that waits for this one's batches; use overlap=False with ssp"
+            )
+        params = [self._shadow(p) for p in self.params] if self.overlap else self.params
+        self.outer = self.rule.build(params, mode, num_workers)
         return self.outer
+
+    def _shadow(self, t: Tensor) -> Tensor:
+        entry = self._shadows.get(id(t))
+        if entry is None:
+            entry = (t, t.detach().clone())
+            self._shadows[id(t)] = entry
+        return entry[1]
+
+    def ps_tensors(self, params: Sequence[Any], buffers: Sequence[Any] = ()) -> tuple[list[Any], list[Any]]:
+        """The params and buffers to start the PSClient over: shadow copies with ``overlap``, else the same.
+
+        Items are tensors or (name, tensor) pairs (as for ``PSClient.start``), returned in the same form. The
+        shadows take the tensors' current values (the values a new PSClient starts from).
+        """
+        params, buffers = list(params), list(buffers)
+        named_params, named_buffers = _pairs(params, "params"), _pairs(buffers, "buffers")
+        if not self.overlap:
+            return params, buffers
+        held = {id(p) for p in self.params}
+        self._extra = [(p, self._shadow(p)) for _, p in named_params if id(p) not in held]
+        self._buffers = [(b, self._shadow(b)) for _, b in named_buffers]
+        with torch.no_grad():
+            for _, t in [*named_params, *named_buffers]:
+                self._shadow(t).copy_(t)
+
+        def out(named: list[tuple[str | None, Tensor]]) -> list[Any]:
+            return [self._shadow(t) if n is None else (n, self._shadow(t)) for n, t in named]
+
+        return out(named_params), out(named_buffers)
 
     def attach(self, client: PSClient) -> None:
         """Exchange through ``client``; the current values are the pulled global copy."""
         if self.outer is None or client.optimizer is not self.outer:
             raise ValueError("attach() needs a PSClient started with optimizer=outer_optimizer(mode, num_workers)")
+        if self.overlap:
+            held = {id(t) for _, t in client.params}
+            if any(id(self._shadow(p)) not in held for p in self.params):
+                raise ValueError(
+                    "overlap=True: start the PSClient over ps_tensors(params, buffers) (shadow copies that the "
+                    "background exchange writes), not over the model's tensors"
+                )
         client.stop_early_pushes()  # local steps' backwards are not pushes: the exchange sends deltas
         self.client = client
         self.reset_snapshot()
 
+    @torch.no_grad()
     def reset_snapshot(self) -> None:
-        """Take the current values as the global copy the next delta is measured from."""
-        self.snapshot = [p.detach().clone() for p in self.params]
+        """Take the current values as the global copy the next delta is measured from.
+
+        ``overlap``: first waits for an exchange in flight (not applied: call :meth:`finish` before a sync),
+        then copies the shadows (the global copy last pulled) into the model's params and buffers.
+        """
+        if not self.overlap:
+            self.snapshot = [p.detach().clone() for p in self.params]
+            return
+        job = self._join()
+        if job is not None and job.error is not None:
+            raise job.error
+        for p in self.params:
+            p.copy_(self._shadow(p))
+        for t, shadow in [*self._extra, *self._buffers]:
+            t.copy_(shadow)
+        self.snapshot = [self._shadow(p).clone() for p in self.params]
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an overlapped exchange is running in the background."""
+        return self._inflight is not None
+
+    def _join(self) -> _InFlight | None:
+        """Wait (``PSConfig.timeout``) for the exchange in flight; returns it, no longer in flight."""
+        job = self._inflight
+        if job is None:
+            return None
+        assert job.thread is not None and self.client is not None
+        timeout = self.client.cfg.timeout
+        start = time.perf_counter()
+        job.thread.join(timeout)
+        self.wait_seconds += time.perf_counter() - start
+        if job.thread.is_alive():
+            from ivyplug.ps.transport import PSTimeoutError
+
+            raise PSTimeoutError(
+                f"rank {self.client.rank}: the overlapped exchange did not finish within timeout={timeout:g} s "
+                "(its push and pull still run in the background)"
+            )
+        self._inflight = None
+        if job.error is not None:
+            self.residual = None
+            note = getattr(job.error, "add_note", None)
+            if note is not None:
+                note("raised by the overlapped exchange's background thread (overlap=True)")
+        return job
+
+    def raise_failed(self) -> None:
+        """``overlap``: raise now what the exchange in flight raised, if its thread already ended with an error."""
+        job = self._inflight
+        if job is not None and job.error is not None and job.thread is not None and not job.thread.is_alive():
+            failed = self._join()
+            assert failed is not None and failed.error is not None
+            raise failed.error
+
+    @torch.no_grad()
+    def start(self, local_steps: int) -> None:
+        """``overlap``: apply the exchange in flight (:meth:`finish`), then push −Δ in the background."""
+        client = self.client
+        if client is None:
+            raise RuntimeError("start() needs a PS: start a PSClient with outer_optimizer() and attach() it")
+        if not self.overlap:
+            raise RuntimeError("start() is the overlapped exchange (overlap=True); use exchange()")
+        self.finish()
+        pseudo = [s - p.detach() for s, p in zip(self.snapshot, self.params, strict=True)]
+        if client.cfg.wire_dtype == "bfloat16":
+            pseudo = self._round_bf16(pseudo)
+        shadows = [self._shadow(p) for p in self.params]
+        for shadow, g in zip(shadows, pseudo, strict=True):
+            shadow.grad = g
+        for b, shadow in self._buffers:
+            shadow.copy_(b)
+        job = _InFlight([p.detach().clone() for p in self.params], [b.detach().clone() for b, _ in self._buffers])
+        skipped = client.metrics()["nonfinite_skipped"]
+        steps = max(1, int(local_steps))
+
+        def run() -> None:
+            try:
+                client.step(steps, delta=True)  # the PS checks the whole push (nonfinite policy)
+                job.dropped = client.metrics()["nonfinite_skipped"] > skipped
+            except BaseException as exc:  # raised in the training thread by the next finish()
+                job.error = exc
+            finally:
+                for shadow in shadows:
+                    shadow.grad = None
+
+        job.thread = threading.Thread(target=run, name=f"ivyplug-exchange-rank{client.rank}", daemon=True)
+        self._inflight = job
+        job.thread.start()
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """``overlap``: wait for the exchange in flight, if any, and continue from its pull plus the steps
+        taken meanwhile (``x ← g + (x − x_sent)``, ``snapshot ← g``); raises what its thread raised."""
+        job = self._join()
+        if job is None:
+            return
+        if job.error is not None:
+            raise job.error
+        self.exchanges += 1
+        if job.dropped:  # nothing of it was applied: restart from the global copy, like exchange()
+            self.discarded += 1
+            self.residual = None
+            self.reset_snapshot()
+            return
+        for p, sent in zip(self.params, job.sent, strict=True):
+            p.sub_(sent).add_(self._shadow(p))
+        for (b, shadow), sent in zip(self._buffers, job.buffers_sent, strict=True):
+            if b.dtype == torch.bool:
+                b.copy_(shadow)
+            else:
+                b.sub_(sent).add_(shadow)
+        for t, shadow in self._extra:
+            t.copy_(shadow)
+        self.snapshot = [self._shadow(p).clone() for p in self.params]
+
+    def close(self) -> None:
+        """Wait for an exchange in flight and drop it (teardown; its error, if any, is logged)."""
+        try:
+            job = self._join()
+        except Exception as exc:
+            log.warning("ivyplug: the overlapped exchange did not end at close: %s", exc)
+            return
+        if job is not None and job.error is not None:
+            log.warning("ivyplug: the overlapped exchange in flight at close failed: %s", job.error)
 
     @torch.no_grad()
     def exchange(self, local_steps: int) -> None:
-        """Push −Δ weighted by ``local_steps`` (sync mode), pull the global copy into the params, re-snapshot."""
+        """Push −Δ weighted by ``local_steps`` (sync mode), pull the global copy into the params, re-snapshot.
+
+        ``overlap``: the same, waiting for it (:meth:`start` then :meth:`finish`).
+        """
         client = self.client
         if client is None:
             raise RuntimeError("exchange() needs a PS: start a PSClient with outer_optimizer() and attach() it")
+        if self.overlap:
+            self.start(local_steps)
+            self.finish()
+            return
         saved = [p.grad for p in self.params]
         pseudo = [s - p.detach() for s, p in zip(self.snapshot, self.params, strict=True)]
         if client.cfg.wire_dtype == "bfloat16":

@@ -8,6 +8,10 @@ steps. A training loop (the Lightning strategy, a Keras callback) needs only the
 the optimizer the servers run instead (the *outer* one), attach the client, at every meeting point
 (validation, checkpoint, end of fit) flush the local progress before a sync and re-snapshot after, and at each
 epoch's end let the optimizer re-choose its period (``sync_every="auto"``), which it reports as a metric.
+
+Optional, outside the protocol: an optimizer that exchanges in the background (``ivyplug.optim.LocalUpdates``
+with ``overlap=True``) offers ``ps_tensors(params, buffers)``, the tensors to start the client over (its
+shadow copies), and ``detach()``, which waits for an exchange in flight before the client closes.
 """
 
 from __future__ import annotations

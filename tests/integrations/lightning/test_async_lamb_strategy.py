@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -79,3 +81,50 @@ def test_sync_every_auto_is_chosen_per_worker_and_logged() -> None:
     assert all(1 <= p <= 256 for p in periods), periods
     assert periods[1] < periods[0], f"the slow rank's period is not shorter: {periods}"
     assert float(metrics["val_acc"]) >= 0.85
+
+
+class OverlapMLP(DigitsMLP):
+    """AsyncLAMB with overlapped exchanges; each rank writes whether its model ends equal to the servers' copy."""
+
+    def configure_optimizers(self) -> Any:
+        from ivyplug.optim import AsyncLAMB
+
+        return AsyncLAMB(self.parameters(), lr=self.hparams.lr, sync_every=4, overlap=True)
+
+    def on_fit_start(self) -> None:
+        client = self.trainer.strategy.client
+        self._ps_tensors = [t for _, t in [*client.params, *client.buffers]]  # the shadows the exchanges write
+
+    def teardown(self, stage: str) -> None:  # after the strategy's last sync and the client's close
+        if stage != "fit" or self.hparams.record_dir is None:
+            return
+        mine = [t for _, t in [*self.named_parameters(), *self.named_buffers()]]
+        opt = self.trainer.strategy.optimizers[0]
+        record = {
+            "equal": all(torch.equal(a, b) for a, b in zip(mine, self._ps_tensors, strict=True)),
+            "distinct": all(a is not b for a, b in zip(mine, self._ps_tensors, strict=True)),
+            "exchanges": opt.exchanges,
+        }
+        (Path(self.hparams.record_dir) / f"overlap_rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+def test_async_lamb_with_overlapped_exchanges_learns_and_ends_on_the_servers_copy(tmp_path: Path) -> None:
+    """Two spawned workers in async mode, BatchNorm buffers included: the fit learns, the wait for an exchange
+    in flight is logged, and every rank's model (params and buffers) ends equal to the servers' copy."""
+    seed_everything(0)
+    model = OverlapMLP(hidden=64, lr=0.02, batch_size=32, shuffle=True, batchnorm=True, record_dir=str(tmp_path))
+    with reaped_children():
+        trainer = quiet_trainer(
+            IvyPSStrategy(mode="async", start_method="spawn", timeout=60, process_group_timeout=timedelta(seconds=60)),
+            devices=2,
+            max_epochs=4,
+        )
+        trainer.fit(model)
+    metrics = trainer.callback_metrics
+    print("val_acc:", float(metrics["val_acc"]))  # shown with -rA
+    assert float(metrics["val_acc"]) >= 0.85
+    records = [json.loads((tmp_path / f"overlap_rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["equal"] and r["distinct"] and r["exchanges"] >= 4 for r in records), records
+    assert all(float(metrics[f"ivy/rank{r}/overlap_wait_s"]) >= 0.0 for r in (0, 1))
+    assert all(float(metrics[f"ivy/rank{r}/pushes"]) >= 4 for r in (0, 1))
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 
 def test_a_bad_wire_dtype_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"wire_dtype must be one of \('float32', 'bfloat16'\)"):
+    with pytest.raises(ValueError, match=r"wire_dtype must be one of \('float32', 'bfloat16', 'int8', 'int4'\)"):
         AsyncLAMBExchange(wire_dtype="float16")
 
 

@@ -174,10 +174,16 @@ def test_refuses_a_training_loader_it_cannot_dispatch_and_passes_evaluation_load
 
 def _fit_stub(train_dataloader: object, accumulate: int = 1) -> SimpleNamespace:
     progress = SimpleNamespace(is_last_batch=False)
+    stepped: list[tuple[str, bool]] = []  # the LR scheduler updates asked of the epoch loop
+
+    def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+        stepped.append((interval, update_plateau_schedulers))
+
+    epoch_loop = SimpleNamespace(batch_progress=progress, update_lr_schedulers=update_lr_schedulers, stepped=stepped)
     return SimpleNamespace(
         train_dataloader=train_dataloader,
         val_check_batch=19,
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+        fit_loop=SimpleNamespace(epoch_loop=epoch_loop),
         accumulate_grad_batches=accumulate,
         num_training_batches=len(train_dataloader),  # type: ignore[arg-type]
         should_stop=False,
@@ -214,6 +220,10 @@ def test_epoch_end_marks_the_last_dispatched_batch_and_validation_runs_there(acc
                 break
     assert marks == [False, True]  # batch 0 (reserved), batch 2; batch 1 is the other worker's
     assert sampler.served == [0, 2] and sampler.finished == 2 and queue.ended == 1
+    # epoch-interval LR schedulers: Lightning steps them at a batch it knows to be the last before it runs (asked
+    # ahead); a last batch learnt only after it was trained gets them stepped by the callback, once
+    asked_after = accumulate == 1 and num_workers == 0
+    assert trainer.fit_loop.epoch_loop.stepped == ([("epoch", False)] if asked_after else [])
 
 
 def test_epoch_end_warns_once_without_dispatch_and_refuses_several_training_loaders() -> None:

@@ -10,6 +10,8 @@
   traffic halves.
 - ``wire_dtype="int8"`` and ``"int4"``: the Nesterov-merged local-update fit (block-quantized deltas with error
   feedback, bf16 pulls) ends within 0.5 points of its fp32 twin while its pushes shrink to about 1/3.9 and 1/7.5.
+- ``sync_every="auto"`` with rank 1 sleeping 20 ms a step: each rank chooses its own period, the slow one a
+  shorter one, both logged as ``ivy/rank{r}/sync_every``, and the fit learns.
 - Async LAMB on pushed gradients learns at least as well as the same LAMB in sync mode (DDP's math, one
   server step per global batch): the staleness factor scales the servers' learning rate per push, not the
   gradient (scaling the gradient left async LAMB 5-15 points behind).
@@ -38,6 +40,7 @@ FITS = {
     "sgd_bf16": "grad/sync/sgd/bfloat16/10",
     "lamb_async": "grad/async/lamb/float32/10",
     "lamb_sync": "grad/sync/lamb/float32/10",
+    "auto_slow": "auto/async/average/float32/6",
 }
 
 
@@ -76,3 +79,8 @@ def test_outer_optimizers_and_bf16_wire_accuracy(tmp_path: Path) -> None:
         ratio = (r16["bytes_sent"] + r16["bytes_received"]) / (r32["bytes_sent"] + r32["bytes_received"])
         assert 0.45 <= ratio <= 0.56, (r16, r32)
     assert acc["lamb_async"] >= acc["lamb_sync"] - 0.01, acc
+    periods = runs["auto_slow"][0]["sync_every"]
+    print("sync_every per rank (rank 1 slow):", periods)
+    assert len(periods) == 2 and all(1 <= p <= 256 for p in periods), periods
+    assert periods[1] < periods[0], f"the slow rank's period is not shorter: {periods}"
+    assert acc["auto_slow"] >= 0.9, acc

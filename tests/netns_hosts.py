@@ -183,11 +183,13 @@ class Hosts:
             shutil.rmtree(NETNS_ETC / h.netns, ignore_errors=True)
 
     # -- using them ----------------------------------------------------------------------------------
-    def command(self, i: int, cmd: Sequence[str]) -> list[str]:
-        """``cmd`` wrapped to run on host ``i`` (its network, mount and UTS namespaces)."""
+    def command(self, i: int, cmd: Sequence[str], cwd: str | os.PathLike[str] | None = None) -> list[str]:
+        """``cmd`` wrapped to run on host ``i`` (its network, mount and UTS namespaces) in ``cwd`` (default:
+        this process's working directory; entering a mount namespace would otherwise start at /)."""
         holder = self.hosts[i].holder
         assert holder is not None, "the hosts are not set up (use them in a with block)"
-        return ["nsenter", "-t", str(holder.pid), "-m", "-u", "-n", "--", *cmd]
+        wd = os.fspath(cwd) if cwd is not None else os.getcwd()
+        return ["nsenter", "-t", str(holder.pid), "-m", "-u", "-n", f"--wd={wd}", "--", *cmd]
 
     def run(
         self, i: int, cmd: Sequence[str], env: Mapping[str, str] | None = None, **popen: Any
@@ -200,8 +202,9 @@ class Hosts:
         popen.setdefault("stdout", subprocess.PIPE)
         popen.setdefault("stderr", subprocess.STDOUT)
         popen.setdefault("text", True)
+        cwd = popen.pop("cwd", None)
         proc = subprocess.Popen(
-            self.command(i, cmd), env={**os.environ, **(env or {})}, start_new_session=True, **popen
+            self.command(i, cmd, cwd), env={**os.environ, **(env or {})}, start_new_session=True, **popen
         )
         self.hosts[i].procs.append(proc)
         return proc

@@ -1,0 +1,100 @@
+"""Training across emulated hosts: Lightning's ``ivy_ps_sync`` against DDP with torchrun on each host, a worker
+killed on one host while the serve's other worker goes on, and Keras workers whose link to the serve is cut.
+
+Every host's name maps to loopback on that host, the case where gloo's default device cannot work.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .helpers import ENV, KERAS_WORKER, TOKEN, Output, serve, service_worker
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+LIGHTNING_JOB = str(Path(__file__).with_name("lightning_job.py"))
+
+
+def _two_node_job(hosts: Any, out: Path, strategy: str, env: dict[str, str]) -> list[Output]:
+    """torchrun on host 0 and host 1 (one worker each), rendezvous at host 0."""
+    out.mkdir()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+        cmd += ["--node-rank", str(node), "--master-addr", hosts[0].address, "--master-port", "29500"]
+        cmd += [LIGHTNING_JOB, str(out), "--strategy", strategy]
+        procs.append(Output(hosts.run(node, cmd, env={**ENV, **env})))
+    return procs
+
+
+def test_ivy_ps_sync_across_two_hosts_equals_ddp(emulated_hosts: Any, tmp_path: Path) -> None:
+    hosts = emulated_hosts(2, hostname_maps_to="loopback")
+    # the PS job without GLOO_SOCKET_IFNAME (its groups bind by the route); DDP, torch's own, needs it here
+    ps = _two_node_job(hosts, tmp_path / "ps", "ivy_ps_sync", {})
+    assert [p.finish(90) for p in ps] == [0, 0], "\n".join(p.text()[-3000:] for p in ps)
+    before = hosts.link_bytes(1)
+    ddp = _two_node_job(hosts, tmp_path / "ddp", "ddp", {"GLOO_SOCKET_IFNAME": "eth0"})
+    assert [p.finish(90) for p in ddp] == [0, 0], "\n".join(p.text()[-3000:] for p in ddp)
+    assert hosts.link_bytes(1)[0] - before[0] > 100_000  # the gradients crossed the link
+    got = [torch.load(tmp_path / "ps" / f"rank{r}.pt") for r in (0, 1)]
+    want = torch.load(tmp_path / "ddp" / "rank0.pt")
+    for name, value in want.items():
+        assert torch.equal(got[0][name], got[1][name]), name  # both hosts hold the same model
+        assert (got[0][name] - value).abs().max().item() <= 1e-5, name
+    init = torch.load(tmp_path / "ps" / "init0.pt")
+    assert max((got[0][k] - init[k]).abs().max().item() for k in init) > 1e-2  # it trained
+
+
+def test_a_worker_killed_on_one_host_leaves_the_other_training(emulated_hosts: Any, tmp_path: Path) -> None:
+    hosts = emulated_hosts(2, hostname_maps_to="loopback")
+    server = serve(hosts, 0, "--shards", "2", "--workers", "2")
+    address = f"{hosts[0].address}:29600"
+    common = ("--mode", "async", "--steps", "60", "--sleep", "0.05", "--timeout", "20")
+    alive = service_worker(hosts, 0, address, tmp_path / "alive.json", *common)
+    doomed = service_worker(hosts, 1, address, tmp_path / "doomed.json", *common, "--die-at", "10", "--seed", "1")
+    assert doomed.finish(60) == -9, doomed.text()
+    line = server.wait_for(" is gone", 20)  # a killed peer's socket closes at once, also across hosts
+    assert alive.finish(60) == 0, alive.text()
+    out = json.loads((tmp_path / "alive.json").read_text())
+    assert out["metrics"]["pushes"] == 60 and out["end_loss"] < out["start_loss"]
+    assert re.search(r"worker \d is gone", line)
+
+
+def _keras_worker(hosts: Any, timeout: float) -> Output:
+    cmd = [sys.executable, KERAS_WORKER, f"{hosts[0].address}:29600", "--token", TOKEN]
+    cmd += ["--timeout", str(timeout), "--epochs", "200", "--sleep", "0.05"]
+    return Output(hosts.run(1, cmd, env=ENV))
+
+
+@pytest.mark.parametrize("when", ["at start", "during fit"])
+def test_a_keras_worker_cut_off_from_its_serve_ends_fit_with_an_error_within_timeout(
+    emulated_hosts: Any, when: str
+) -> None:
+    hosts = emulated_hosts(2, hostname_maps_to="loopback")
+    serve(hosts, 0, "--shards", "2", "--workers", "1", timeout=60)
+    timeout = 8.0
+    if when == "at start":
+        hosts.cut(1)
+    worker = _keras_worker(hosts, timeout)
+    if when == "during fit":
+        worker.wait_for("batch 10", 60)
+        hosts.cut(1)
+    cut = time.monotonic()
+    assert worker.finish(timeout + 40) == 3, worker.text()
+    waited = time.monotonic() - cut
+    error = worker.wait_for("error after", 1)
+    assert hosts[0].address in error and "29600" in error, error
+    assert "Error:" in error
+    if when == "during fit":
+        assert waited <= timeout + 10, f"{waited:.1f} s after the cut: {error}"
+    else:  # the Keras process's start-up (about 10 s here) comes first
+        seconds = float(error.split("error after ", 1)[1].split(" s", 1)[0])
+        assert seconds <= timeout + 10, error

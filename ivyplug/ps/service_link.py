@@ -60,9 +60,9 @@ def _store(cfg: PSConfig) -> tuple[Any, str]:
 def _pair_within(store: Any, prefix: str, cfg: PSConfig, host: str) -> Any:
     """The pair group with the service, or PSTimeoutError once ``cfg.timeout`` has passed.
 
-    gloo retries a connection that timed out, each try with the group's whole timeout, so a peer address that
-    swallows packets would hold the caller for several timeouts: the group is built on a helper thread and
-    waited for here (a group that connects after the deadline is dropped with its thread).
+    gloo's own connect retries a failed attempt (up to three times), so its wait is not bounded by one timeout:
+    the group is built on a helper thread and waited for here (a group that connects after the deadline is
+    dropped with its thread).
     """
     done: dict[str, Any] = {}
 

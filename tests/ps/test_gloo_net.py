@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 
 import pytest
 
@@ -65,3 +67,18 @@ def test_dedicated_servers_on_loopback_are_refused_for_a_worker_on_another_host(
     check_ps_host("127.0.0.1", 1)  # one worker: nobody on another host
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     check_ps_host("127.0.0.1", 2)  # rank 0 here
+
+
+def test_a_pair_group_that_does_not_form_ends_within_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ivyplug.ps import auth, service_link
+    from ivyplug.ps.config import PSConfig
+    from ivyplug.ps.transport import PSTimeoutError
+
+    release = threading.Event()
+    monkeypatch.setattr(auth, "pair_group", lambda *args: release.wait(30))  # a connect that hangs
+    cfg = PSConfig(servers="127.0.0.1:29600", timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(PSTimeoutError, match=r"127\.0\.0\.1:29600 within timeout=1 s.*GLOO_SOCKET_IFNAME"):
+        service_link._pair_within(None, "p", cfg, "127.0.0.1")
+    assert time.monotonic() - t0 < 4.0
+    release.set()

@@ -68,22 +68,27 @@ def test_a_worker_killed_on_one_host_leaves_the_other_training(emulated_hosts: A
     assert re.search(r"worker \d is gone", line)
 
 
-def _keras_worker(hosts: Any, timeout: float) -> Output:
-    cmd = [sys.executable, KERAS_WORKER, f"{hosts[0].address}:29600", "--token", TOKEN]
-    cmd += ["--timeout", str(timeout), "--epochs", "200", "--sleep", "0.05"]
-    return Output(hosts.run(1, cmd, env=ENV))
+def _worker(hosts: Any, framework: str, timeout: float, tmp_path: Path) -> Output:
+    if framework == "keras":
+        cmd = [sys.executable, KERAS_WORKER, f"{hosts[0].address}:29600", "--token", TOKEN]
+        cmd += ["--timeout", str(timeout), "--epochs", "200", "--sleep", "0.05"]
+        return Output(hosts.run(1, cmd, env=ENV))
+    cmd = [sys.executable, LIGHTNING_JOB, str(tmp_path), "--strategy", "ivy_ps_async", "--nodes", "1"]
+    cmd += ["--servers", f"{hosts[0].address}:29600", "--timeout", str(timeout), "--epochs", "50", "--sleep", "0.05"]
+    return Output(hosts.run(1, cmd, env={**ENV, "IVYPLUG_TOKEN": TOKEN}))
 
 
 @pytest.mark.parametrize("when", ["at start", "during fit"])
-def test_a_keras_worker_cut_off_from_its_serve_ends_fit_with_an_error_within_timeout(
-    emulated_hosts: Any, when: str
+@pytest.mark.parametrize("framework", ["keras", "lightning"])
+def test_a_worker_cut_off_from_its_serve_ends_fit_with_an_error_within_timeout(
+    emulated_hosts: Any, tmp_path: Path, framework: str, when: str
 ) -> None:
     hosts = emulated_hosts(2, hostname_maps_to="loopback")
     serve(hosts, 0, "--shards", "2", "--workers", "1", timeout=60)
     timeout = 8.0
     if when == "at start":
         hosts.cut(1)
-    worker = _keras_worker(hosts, timeout)
+    worker = _worker(hosts, framework, timeout, tmp_path)
     if when == "during fit":
         worker.wait_for("batch 10", 60)
         hosts.cut(1)
@@ -95,6 +100,39 @@ def test_a_keras_worker_cut_off_from_its_serve_ends_fit_with_an_error_within_tim
     assert "Error:" in error
     if when == "during fit":
         assert waited <= timeout + 10, f"{waited:.1f} s after the cut: {error}"
-    else:  # the Keras process's start-up (about 10 s here) comes first
+    else:  # the process's start-up (Keras, Lightning: about 10 s here) comes first
         seconds = float(error.split("error after ", 1)[1].split(" s", 1)[0])
         assert seconds <= timeout + 10, error
+
+
+@pytest.mark.parametrize("cut_s", [3.0, None], ids=["shorter than timeout", "until the worker ends"])
+def test_a_partition_of_one_workers_host(emulated_hosts: Any, tmp_path: Path, cut_s: float | None) -> None:
+    """A cut shorter than ``timeout`` costs nothing; a longer one ends the cut-off worker with an error naming
+    the serve within ``timeout`` + 10 s, while the worker on the serve's host trains on."""
+    hosts = emulated_hosts(2, hostname_maps_to="loopback")
+    timeout = 10.0
+    server = serve(hosts, 0, "--shards", "2", "--workers", "2", timeout=timeout)
+    address = f"{hosts[0].address}:29600"
+    common = ("--mode", "async", "--steps", "400", "--sleep", "0.05", "--timeout", str(timeout))
+    near = service_worker(hosts, 0, address, tmp_path / "near.json", *common)
+    far = service_worker(hosts, 1, address, tmp_path / "far.json", *common, "--seed", "1")
+    server.wait_for("2 connected", 60)
+    time.sleep(2.0)  # both are training
+    hosts.cut(1)
+    cut = time.monotonic()
+    if cut_s is not None:
+        time.sleep(cut_s)
+        hosts.heal(1)
+        assert [near.finish(90), far.finish(90)] == [0, 0], far.text()[-3000:]
+        for name in ("near", "far"):
+            assert json.loads((tmp_path / f"{name}.json").read_text())["metrics"]["pushes"] == 400
+        return
+    code = far.finish(timeout + 10)
+    ended = time.monotonic() - cut
+    hosts.heal(1)
+    assert code != 0
+    assert f"the ivyplug serve at {address}: timed out after {timeout:g} s" in far.text(), far.text()[-3000:]
+    assert ended <= timeout + 10
+    assert near.proc.poll() is None, "the worker on the serve's host should still be training"
+    assert near.finish(90) == 0, near.text()[-3000:]
+    assert json.loads((tmp_path / "near.json").read_text())["metrics"]["pushes"] == 400

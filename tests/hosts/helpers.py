@@ -55,11 +55,17 @@ class Output:
 
 
 def serve(
-    hosts: Any, i: int, *args: str, env: dict[str, str] | None = None, timeout: float = 20, host: str | None = None
+    hosts: Any,
+    i: int,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 20,
+    host: str | None = None,
+    port: int = 29600,
 ) -> Output:
-    """``ivyplug serve`` on host ``i`` at ``host`` (default: the host's address), port 29600, with the test
+    """``ivyplug serve`` on host ``i`` at ``host`` (default: the host's address) and ``port``, with the test
     token; waits until it listens."""
-    cmd = [sys.executable, "-m", "ivyplug", "serve", "--host", host or hosts[i].address, "--port", "29600"]
+    cmd = [sys.executable, "-m", "ivyplug", "serve", "--host", host or hosts[i].address, "--port", str(port)]
     cmd += ["--token", TOKEN, "--timeout", str(timeout), "--status-every", "1", *args]
     out = Output(hosts.run(i, cmd, env={**ENV, **(env or {})}))
     out.wait_for("listening on", 60)

@@ -7,13 +7,14 @@ default device would listen on 127.0.1.1 and the other host could never connect.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .helpers import serve, service_worker
+from .helpers import ENV, TOKEN, Output, serve, service_worker
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -75,3 +76,15 @@ def test_a_serve_on_loopback_is_named_by_a_worker_on_another_host(emulated_hosts
     error = json.loads((tmp_path / "c.json").read_text())["error"]
     for words in ("connection refused", "--host", "127.0.0.1", f"{hosts[0].address}:29600"):
         assert words in error, error
+
+
+def test_a_service_on_loopback_cannot_join_a_job_served_beyond_it(emulated_hosts: Any) -> None:
+    hosts = emulated_hosts(2, hostname_maps_to="address")
+    first = serve(hosts, 0, "--shards", "1")
+    cmd = [sys.executable, "-m", "ivyplug", "serve", "--shards", "1", "--host", "127.0.0.1", "--port", "29601"]
+    cmd += ["--token", TOKEN, "--timeout", "20", "--join", f"{hosts[0].address}:29600"]
+    second = Output(hosts.run(0, cmd, env=ENV))
+    assert second.finish(30) == 2, second.text()
+    for words in ("refused this service", "127.0.0.1:29601", "loopback", "--host"):
+        assert words in second.text(), second.text()
+    first.wait_for("refused service 127.0.0.1:29601", 5)

@@ -135,7 +135,9 @@ def test_a_partition_of_one_workers_host(emulated_hosts: Any, tmp_path: Path, cu
         return
     code = far.finish(timeout + 10)
     ended = time.monotonic() - cut
+    assert " is gone" not in server.text()  # the serve has no liveness check: a silent peer is not noticed...
     hosts.heal(1)
+    server.wait_for(" is gone", 20)  # ...until the link is back and the dead worker's host closes its connection
     assert code != 0
     assert f"the ivyplug serve at {address}: timed out after {timeout:g} s" in far.text(), far.text()[-3000:]
     assert ended <= timeout + 10

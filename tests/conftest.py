@@ -50,11 +50,12 @@ def emulated_hosts() -> Iterator[Any]:
     Skips the test where they cannot be made (not Linux, not root, a command missing); every host made is
     torn down at the end of the test, processes included, whatever the test's outcome.
     """
-    from tests.netns_hosts import Hosts, unavailable
+    from tests.netns_hosts import Hosts, remove_stale, unavailable
 
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
+    remove_stale()
     made: list[Hosts] = []
 
     def make(n: int = 2, rate: str | None = None, hostname_maps_to: str | None = "address") -> Hosts:

@@ -19,7 +19,8 @@ namespaces made here.
   leaves the machine's file. Every host's name (``hosts[i].hostname``) resolves to its address on the others.
 * :meth:`Hosts.run` starts a command on a host in a process group of its own; at teardown every process in
   the hosts' namespaces is killed (also those the commands started), then the namespaces and their
-  ``/etc/netns`` entries are removed — also when the test failed.
+  ``/etc/netns`` entries are removed — also when the test failed. :func:`remove_stale` removes what a
+  session killed before its teardown left behind (the fixture calls it first).
 
 Names are unique per process and instance (``ivyh<pid>x<n>...``), so concurrent test sessions do not
 collide. Needs Linux, root, and the ``ip``, ``tc``, ``unshare``, ``nsenter`` and ``mount`` commands;
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -63,6 +65,22 @@ def unavailable() -> str | None:
         return f"`ip netns add` failed here: {done.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces (and their processes, /etc/netns entries) of emulated hosts whose creating process
+    is gone (a test session killed before its teardown); those of live sessions stay. The names removed."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    removed = []
+    for ns in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        match = re.fullmatch(r"ivyh(\d+)x\d+(?:sw|h\d+)", ns)
+        if match is None or Path(f"/proc/{match.group(1)}").exists():
+            continue
+        _kill_netns_pids(ns)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        removed.append(ns)
+    return removed
 
 
 def _sh(*cmd: str) -> None:

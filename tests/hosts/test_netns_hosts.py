@@ -86,3 +86,21 @@ def test_a_rate_limit_slows_the_link(emulated_hosts: Any) -> None:
     seconds = float(hosts.check(1, [sys.executable, "-c", SEND, hosts[0].address, "7002", "5"]))
     mbit = 5 * 8 * (1 << 20) / seconds / 1e6
     assert 10 < mbit < 25, f"{mbit:.1f} Mbit/s over a 20mbit link"
+
+
+def test_what_a_killed_session_left_behind_is_removed_and_live_sessions_are_not(emulated_hosts: Any) -> None:
+    from tests.netns_hosts import NETNS_ETC, remove_stale
+
+    live = emulated_hosts(1)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"ivyh{dead.pid}x0h0"  # as a session with that (now finished) process id named its host
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    (NETNS_ETC / stale).mkdir(parents=True, exist_ok=True)
+    try:
+        assert remove_stale() == [stale]
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert stale not in listed and live[0].netns in listed
+    assert not (NETNS_ETC / stale).exists()

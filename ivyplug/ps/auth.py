@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -70,6 +71,10 @@ def _get(store: Any, key: str, timeout: float, what: str) -> dict[str, Any]:
     return value
 
 
+def _left(deadline: float) -> float:
+    return max(0.1, deadline - time.monotonic())
+
+
 def _put(store: Any, key: str, value: dict[str, Any]) -> None:
     store.set(key, json.dumps(value))
 
@@ -97,13 +102,14 @@ def client_handshake(
     ``address``: where this worker's gloo device will listen, told to the server so that it binds the address
     that reaches it (and refuses at once an address of its own that cannot).
     """
+    deadline = time.monotonic() + timeout  # one bound for the whole handshake, not one per wait
     member = int(store.add(MEMBER_COUNTER, 1)) - 1
     mine = secrets.token_bytes(16)
     hello: dict[str, Any] = {"wire": WIRE_VERSION, "nonce": mine.hex()}
     if address is not None:
         hello["address"] = address
     _put(store, _key("hello", member), hello)
-    challenge = _get(store, _key("challenge", member), timeout, f"ivyplug serve at {where} to answer")
+    challenge = _get(store, _key("challenge", member), _left(deadline), f"ivyplug serve at {where} to answer")
     if challenge.get("wire") != WIRE_VERSION:
         raise PSAuthError(
             f"ivyplug serve at {where} speaks wire version {challenge.get('wire')!r}, this worker speaks "
@@ -118,7 +124,7 @@ def client_handshake(
             "on one side): pass the token the server was started with (token= or IVYPLUG_TOKEN)"
         )
     _put(store, _key("proof", member), {"proof": mac(token, b"worker", theirs, mine)})
-    verdict = _get(store, _key("verdict", member), timeout, f"ivyplug serve at {where} to accept this worker")
+    verdict = _get(store, _key("verdict", member), _left(deadline), f"ivyplug serve at {where} to accept this worker")
     if not verdict.get("ok") and verdict.get("kind") == ADDRESS_REFUSAL:
         raise gloo_net.PSAddressError(f"ivyplug serve at {where} cannot reach this worker: {verdict.get('reason')}")
     if not verdict.get("ok"):

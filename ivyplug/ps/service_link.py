@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -57,8 +58,8 @@ def _store(cfg: PSConfig) -> tuple[Any, str]:
         raise PSTimeoutError(text) from exc
 
 
-def _pair_within(store: Any, prefix: str, cfg: PSConfig, host: str) -> Any:
-    """The pair group with the service, or PSTimeoutError once ``cfg.timeout`` has passed.
+def _pair_within(store: Any, prefix: str, cfg: PSConfig, host: str, within: float | None = None) -> Any:
+    """The pair group with the service, or PSTimeoutError once ``within`` seconds (default ``cfg.timeout``) passed.
 
     gloo's own connect retries a failed attempt (up to three times), so its wait is not bounded by one timeout:
     the group is built on a helper thread and waited for here (a group that connects after the deadline is
@@ -74,7 +75,7 @@ def _pair_within(store: Any, prefix: str, cfg: PSConfig, host: str) -> Any:
 
     t = threading.Thread(target=build, name="ivyplug-pair-connect", daemon=True)
     t.start()
-    t.join(cfg.timeout + 2.0)
+    t.join((cfg.timeout if within is None else within) + 1.0)
     if "group" in done:
         return done["group"]
     if "error" in done:
@@ -125,10 +126,12 @@ def connect(cfg: PSConfig) -> ServiceLink:
     once, naming the address and the setting to change.
     """
     assert cfg.servers is not None
+    deadline = time.monotonic() + cfg.timeout  # the whole connection within one timeout, not one per wait
     address = own_address(cfg.servers)
     store, host = _store(cfg)
-    member, prefix, verdict = auth.client_handshake(store, cfg.token, cfg.timeout, cfg.servers, address)
-    group = _pair_within(store, prefix, cfg, host)
+    left = max(0.1, deadline - time.monotonic())
+    member, prefix, verdict = auth.client_handshake(store, cfg.token, left, cfg.servers, address)
+    group = _pair_within(store, prefix, cfg, host, within=max(0.1, deadline - time.monotonic()))
     services = [dict(x) for x in verdict.get("services", [])]
     return ServiceLink(
         cfg.servers, store, group, Channel(group, 1, cfg.timeout), int(verdict["shards"]), member, services=services

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import sys
 import threading
 import time
@@ -36,8 +37,8 @@ def check_ps_host(host: str, world_size: int) -> None:
     setting = f"{HOST_ENV}={os.environ[HOST_ENV]}" if os.environ.get(HOST_ENV) else f"the default {host}"
     raise gloo_net.PSAddressError(
         f"the job's dedicated servers listen on the loopback address {host} ({setting}) of rank 0's host "
-        f"(MASTER_ADDR={master}), which this worker on another host cannot reach: set {HOST_ENV} to an address of "
-        "rank 0's host that every worker reaches (for example MASTER_ADDR's)"
+        f"(MASTER_ADDR={master}), which this worker on host {socket.gethostname()!r} cannot reach: set {HOST_ENV} "
+        "to an address of rank 0's host that every worker reaches (for example MASTER_ADDR's)"
     )
 
 

@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--nodes", type=int, default=2, help="1: a single worker, started without torchrun")
     ap.add_argument("--servers", default=None, help="host:port of an ivyplug serve (token: $IVYPLUG_TOKEN)")
+    ap.add_argument("--num-servers", type=int, default=0, help="dedicated server processes started by rank 0")
     args = ap.parse_args()
     import torch
     from ivyplug.integrations.lightning import IvyPSStrategy
@@ -51,7 +52,7 @@ def main() -> int:
     strategy: Any = args.strategy
     if args.strategy.startswith("ivy_ps_"):
         mode = args.strategy.removeprefix("ivy_ps_")
-        strategy = IvyPSStrategy(mode=mode, timeout=args.timeout, servers=args.servers)
+        strategy = IvyPSStrategy(mode=mode, timeout=args.timeout, servers=args.servers, num_servers=args.num_servers)
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",

@@ -23,14 +23,14 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 LIGHTNING_JOB = str(Path(__file__).with_name("lightning_job.py"))
 
 
-def _two_node_job(hosts: Any, out: Path, strategy: str, env: dict[str, str]) -> list[Output]:
+def _two_node_job(hosts: Any, out: Path, strategy: str, env: dict[str, str], *args: str) -> list[Output]:
     """torchrun on host 0 and host 1 (one worker each), rendezvous at host 0."""
     out.mkdir()
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
         cmd += ["--node-rank", str(node), "--master-addr", hosts[0].address, "--master-port", "29500"]
-        cmd += [LIGHTNING_JOB, str(out), "--strategy", strategy]
+        cmd += [LIGHTNING_JOB, str(out), "--strategy", strategy, *args]
         procs.append(Output(hosts.run(node, cmd, env={**ENV, **env})))
     return procs
 
@@ -51,6 +51,19 @@ def test_ivy_ps_sync_across_two_hosts_equals_ddp(emulated_hosts: Any, tmp_path: 
         assert (got[0][name] - value).abs().max().item() <= 1e-5, name
     init = torch.load(tmp_path / "ps" / "init0.pt")
     assert max((got[0][k] - init[k]).abs().max().item() for k in init) > 1e-2  # it trained
+
+
+def test_dedicated_servers_on_loopback_are_refused_at_once_across_hosts(emulated_hosts: Any, tmp_path: Path) -> None:
+    hosts = emulated_hosts(2, hostname_maps_to="loopback")
+    t0 = time.monotonic()
+    job = _two_node_job(hosts, tmp_path / "ps", "ivy_ps_async", {"IVYPLUG_PS_HOST": "127.0.0.1"}, "--num-servers", "1")
+    codes = [p.finish(60) for p in job]
+    assert time.monotonic() - t0 < 50  # not the PS timeout (30 s) of a wait, nor gloo's 30 min
+    assert codes[1] != 0
+    error = job[1].wait_for("error after", 1)
+    assert "PSAddressError" in error, error
+    for words in ("127.0.0.1", "IVYPLUG_PS_HOST=127.0.0.1", f"MASTER_ADDR={hosts[0].address}", hosts[1].hostname):
+        assert words in error, error
 
 
 def test_a_worker_killed_on_one_host_leaves_the_other_training(emulated_hosts: Any, tmp_path: Path) -> None:

@@ -105,7 +105,7 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def why_unreachable(host: str, port: int, within: float = 2.0) -> str:
+def why_unreachable(host: str, port: int, within: float = 0.5) -> str:
     """What a fresh TCP connection to ``host:port`` says, in words a user can act on."""
     try:
         socket.create_connection((host, port), timeout=within).close()

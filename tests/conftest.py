@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -40,3 +41,30 @@ def _restore_launch_variables() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def emulated_hosts() -> Iterator[Any]:
+    """A factory of emulated hosts (tests/netns_hosts.py): ``emulated_hosts(2, rate="100mbit")``.
+
+    Skips the test where they cannot be made (not Linux, not root, a command missing); every host made is
+    torn down at the end of the test, processes included, whatever the test's outcome.
+    """
+    from tests.netns_hosts import Hosts, remove_stale, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    remove_stale()
+    made: list[Hosts] = []
+
+    def make(n: int = 2, rate: str | None = None, hostname_maps_to: str | None = "address") -> Hosts:
+        hosts = Hosts(n, rate=rate, hostname_maps_to=hostname_maps_to)
+        made.append(hosts)
+        return hosts.__enter__()
+
+    try:
+        yield make
+    finally:
+        for hosts in made:
+            hosts.close()

@@ -194,7 +194,11 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
                     f"AsyncLAMBExchange: WORLD_SIZE={world} but {missing} not set; start the workers with torchrun "
                     "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
                 )
-            dist.init_process_group("gloo", timeout=timedelta(seconds=self.config.timeout))
+            from ivyplug.ps import gloo_net
+
+            # gloo binds the interface that reaches MASTER_ADDR unless GLOO_SOCKET_IFNAME says otherwise
+            with gloo_net.interface_for(os.environ["MASTER_ADDR"]):
+                dist.init_process_group("gloo", timeout=timedelta(seconds=self.config.timeout))
             self._own_group = True
         return world
 

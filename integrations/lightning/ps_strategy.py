@@ -55,7 +55,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ivyplug.ps import typed_state
+from ivyplug.ps import gloo_net, typed_state
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
 from ivyplug.ps.local_updates import LocalUpdates
 from ivyplug.ps.member_group import MemberGroup, bytes_tensor, tensor_bytes
@@ -303,7 +303,9 @@ class IvyPSStrategy(DDPStrategy):
         store = attempt_store(self.world_size, self._timeout or default_pg_timeout)
         if store is not None:
             kwargs["store"] = store
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        # gloo binds the interface that reaches the main address unless GLOO_SOCKET_IFNAME says otherwise
+        with gloo_net.interface_for(self.cluster_environment.main_address):
+            _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: gradients travel through the PS."""

@@ -74,6 +74,10 @@ def _named(items: Sequence[Any], what: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+class _Unreachable(Exception):
+    """close() of a client whose servers could not be reached: no goodbye."""
+
+
 class PSClient:
     """One worker's handle on the parameter server (see docs/design.md)."""
 
@@ -93,6 +97,8 @@ class PSClient:
         self.epoch: int | None = None
         self._epoch_ended = False
         self.closed = False
+        #: the error of a request to servers outside the workers (an ivyplug serve, dedicated servers), if one failed
+        self.unreachable: BaseException | None = None
         self.m = _Metrics()
         #: sync mode, after each ``step``: squared L2 norm of the combined gradient the servers applied (the
         #: sample-weighted mean over workers, before clipping), summed over shards; ``None`` in async/ssp,
@@ -323,6 +329,8 @@ class PSClient:
             link = self.topo.link
             if link is None:
                 raise
+            if not isinstance(exc, PSServerError):  # a server's error reply came over a working link
+                self.unreachable = exc
             what = "dedicated servers" if self.cfg.num_servers else "ivyplug serve"
             text = f"the {what} at {link.address}: {exc}"
             raise (PSServerError(text, exc.text) if isinstance(exc, PSServerError) else type(exc)(text)) from exc
@@ -487,8 +495,9 @@ class PSClient:
         self._check_open()
         self.end_epoch()  # a worker waiting for this one's batches must reach the barrier too
         with self._exclusive("sync()"):
-            for ep in self.topo.endpoints.values():
-                ep.idle(self.rank)
+            with self._servers_named():
+                for ep in self.topo.endpoints.values():
+                    ep.idle(self.rank)
             self.workers.barrier("every worker to reach sync()")
             self._pull_all()
 
@@ -509,9 +518,9 @@ class PSClient:
             self.topo.queue.reset(epoch, num_batches, reserved)
         elif self.topo.link is not None and self.rank == 0:  # the batch queue of an ivyplug serve
             assert self.topo.queue_endpoint is not None
-            self.topo.queue_endpoint.request(Kind.EPOCH, arg0=epoch, arg1=num_batches, arg2=reserved).header(
-                self.cfg.timeout
-            )
+            with self._servers_named():
+                request = self.topo.queue_endpoint.request(Kind.EPOCH, arg0=epoch, arg1=num_batches, arg2=reserved)
+                request.header(self.cfg.timeout)
         self.epoch = epoch
         self._epoch_ended = False
         self.workers.barrier(f"every worker to start epoch {epoch}")
@@ -544,8 +553,9 @@ class PSClient:
         if self.topo.queue is not None:
             return self._wait_for_batch(self.topo.queue.take(self.rank, self.epoch, finished, ask == BatchAsk.WAIT))
         assert self.topo.queue_endpoint is not None
-        request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg1=finished, arg2=ask)
-        return request.header(self.cfg.timeout).arg0
+        with self._servers_named():
+            request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg1=finished, arg2=ask)
+            return request.header(self.cfg.timeout).arg0
 
     def end_epoch(self) -> None:
         """This worker trained every batch it got in the current epoch: a worker waiting for them goes on.
@@ -559,8 +569,9 @@ class PSClient:
         if self.topo.queue is not None:
             self.topo.queue.finish(self.rank, self.epoch)
         elif self.topo.queue_endpoint is not None:
-            request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg2=BatchAsk.END)
-            request.header(self.cfg.timeout)
+            with self._servers_named():
+                request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg2=BatchAsk.END)
+                request.header(self.cfg.timeout)
 
     def stop_epoch(self) -> None:
         """This worker reached the fit's step limit: the queue hands out no more batches this epoch.
@@ -575,8 +586,9 @@ class PSClient:
             self.topo.queue.stop(self.rank, self.epoch)
         else:
             assert self.topo.queue_endpoint is not None
-            request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg2=BatchAsk.STOP)
-            request.header(self.cfg.timeout)
+            with self._servers_named():
+                request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg2=BatchAsk.STOP)
+                request.header(self.cfg.timeout)
 
     def _wait_for_batch(self, fut: Future[int]) -> int:
         try:
@@ -693,6 +705,10 @@ class PSClient:
             return
         err: BaseException | None = None
         try:
+            if self.unreachable is not None:
+                # the servers could not be reached: a goodbye would wait on the same link for another timeout and
+                # its error would hide the one the worker stopped with
+                raise _Unreachable
             if isinstance(self.workers, MemberGroup):  # it meets through the service: before the goodbye
                 self.workers.barrier("every rank to close the PS")
             for r in topo.loop_ranks:
@@ -715,6 +731,8 @@ class PSClient:
             alive = [p.name for p in topo.server_procs if p.is_alive()]
             if alive:
                 raise PSTimeoutError(f"timed out after {self.cfg.timeout:g} s waiting for {alive} to exit")
+        except _Unreachable:
+            pass
         except BaseException as exc:
             err = exc
         finally:

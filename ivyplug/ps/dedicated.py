@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import sys
 import threading
 import time
@@ -23,6 +24,22 @@ HOST_ENV = "IVYPLUG_PS_HOST"
 def ps_host() -> str:
     """Address at which workers reach rank 0's servers: $IVYPLUG_PS_HOST, $MASTER_ADDR or loopback."""
     return os.environ.get(HOST_ENV) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def check_ps_host(host: str, world_size: int) -> None:
+    """PSAddressError at once where rank 0's servers at ``host`` cannot be reached from this worker: a loopback
+    ``host`` while rank 0 (``$MASTER_ADDR``) is on another host."""
+    from ivyplug.ps import gloo_net
+
+    master = os.environ.get("MASTER_ADDR")
+    if world_size < 2 or not master or not gloo_net.is_loopback(host) or gloo_net.is_local(master):
+        return
+    setting = f"{HOST_ENV}={os.environ[HOST_ENV]}" if os.environ.get(HOST_ENV) else f"the default {host}"
+    raise gloo_net.PSAddressError(
+        f"the job's dedicated servers listen on the loopback address {host} ({setting}) of rank 0's host "
+        f"(MASTER_ADDR={master}), which this worker on host {socket.gethostname()!r} cannot reach: set {HOST_ENV} "
+        "to an address of rank 0's host that every worker reaches (for example MASTER_ADDR's)"
+    )
 
 
 def _watch_parent(parent_pid: int) -> None:

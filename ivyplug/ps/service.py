@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import auth, job_description, typed_state
+from ivyplug.ps import auth, gloo_net, job_description, typed_state
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.endpoints import InProcessEndpoint
@@ -323,6 +323,12 @@ class PSService:
             reason = "a shard count must be an int >= 1"
         elif not isinstance(claim, int):
             reason = "a claimed first shard must be an int"
+        elif self._loopback_among_hosts(str(raw.get("address"))):
+            reason = (
+                f"it listens on the loopback address {raw.get('address')}, which workers of this service (at "
+                f"{self.address}, beyond loopback) on other hosts cannot reach: start it with --host <an address of "
+                "its host that the workers reach>"
+            )
         with self._lock:
             held = [x for x in self.services[1:] if x["first"] == claim and x["count"] == raw.get("count")]
             if reason is None and claim >= 0 and held:  # a restarted holder takes its shards back
@@ -376,13 +382,15 @@ class PSService:
         group = None
         try:
             accept = self._info()
-            reason, prefix = auth.server_handshake(self.store, member, self.token, self.timeout, accept)
+            reason, prefix, peer = auth.server_handshake(
+                self.store, member, self.token, self.timeout, accept, self._address_problem
+            )
             if reason is not None:
                 with self._lock:
                     self.refused += 1
                 self.log(f"ivyplug serve: refused member {member}: {reason}")
                 return
-            group = auth.pair_group(self.store, prefix, 0, self.timeout, self.host)
+            group = auth.pair_group(self.store, prefix, 0, self.timeout, self.host, peer)
             channel = Channel(group, 0, self.timeout)
             slot, job = self._join(member, channel)
             if slot is None or job is None:
@@ -409,6 +417,28 @@ class PSService:
             self.log(f"ivyplug serve: member {member} ended: {type(exc).__name__}: {exc}")
             if slot is not None:
                 self._leave(slot, f"{type(exc).__name__}: {exc}")
+
+    def _loopback_among_hosts(self, address: str) -> bool:
+        """Whether ``address`` ("host:port") is loopback while this service listens beyond loopback."""
+        host = address.rpartition(":")[0].strip("[]")
+        return gloo_net.is_loopback(host) and not gloo_net.is_loopback(self.host)
+
+    def _address_problem(self, peer: str | None) -> str | None:
+        """Why this service's gloo device could not reach a worker whose device listens on ``peer`` (or None)."""
+        if peer is None or gloo_net.is_loopback(self.host):
+            return None  # a loopback service takes workers of its own host only: their store connection says so
+        try:
+            bound, chosen = gloo_net.bind_address(peer)
+            gloo_net.check_reaches(
+                bound,
+                chosen,
+                peer,
+                "the worker",
+                f"start ivyplug serve with {gloo_net.IFNAME_ENV} unset or naming the interface of --host {self.host}",
+            )
+        except gloo_net.PSAddressError as exc:
+            return str(exc)
+        return None
 
     def _join(self, member: int, channel: Channel) -> tuple[int | None, Job | None]:
         """Receive the member's JOIN; create the job, or check it matches; give it a slot."""

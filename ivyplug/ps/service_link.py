@@ -9,6 +9,8 @@ first worker of a job creates the shards from them, a later one is checked again
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import auth, typed_state
+from ivyplug.ps import auth, gloo_net, typed_state
 from ivyplug.ps.config import PSConfig, parse_address
 from ivyplug.ps.endpoints import PSServerError, WireEndpoint, WireStats
 from ivyplug.ps.messages import Kind, bytes_to_words
@@ -50,10 +52,59 @@ def _store(cfg: PSConfig) -> tuple[Any, str]:
     try:
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=cfg.timeout)), host
     except RuntimeError as exc:
-        raise PSTimeoutError(
-            f"no ivyplug serve answered at {cfg.servers} within {cfg.timeout:g} s (is it running? started with "
-            f"`ivyplug serve --shards K --port {port}`): {exc}"
-        ) from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        why = gloo_net.why_unreachable(host, port)
+        text = f"no ivyplug serve answered at {cfg.servers} within {cfg.timeout:g} s: {why} ({first})"
+        raise PSTimeoutError(text) from exc
+
+
+def _pair_within(store: Any, prefix: str, cfg: PSConfig, host: str, within: float | None = None) -> Any:
+    """The pair group with the service, or PSTimeoutError once ``within`` seconds (default ``cfg.timeout``) passed.
+
+    gloo's own connect retries a failed attempt (up to three times), so its wait is not bounded by one timeout:
+    the group is built on a helper thread and waited for here (a group that connects after the deadline is
+    dropped with its thread).
+    """
+    done: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            done["group"] = auth.pair_group(store, prefix, 1, cfg.timeout, host)
+        except BaseException as exc:  # handed to the caller below
+            done["error"] = exc
+
+    t = threading.Thread(target=build, name="ivyplug-pair-connect", daemon=True)
+    t.start()
+    t.join((cfg.timeout if within is None else within) + 1.0)
+    if "group" in done:
+        return done["group"]
+    if "error" in done:
+        exc = done["error"]
+        if isinstance(exc, gloo_net.PSAddressError):
+            raise exc
+        raise PSTimeoutError(f"could not connect to ivyplug serve at {cfg.servers}: {exc}") from exc
+    raise PSTimeoutError(
+        f"could not connect to ivyplug serve at {cfg.servers} within timeout={cfg.timeout:g} s: its gloo connection "
+        "did not form (an address on one side that the other cannot reach: set GLOO_SOCKET_IFNAME on that side to "
+        "the interface the two reach each other through)"
+    )
+
+
+def own_address(servers: str) -> str | None:
+    """Where this worker's gloo device toward the service at ``servers`` listens (PSAddressError: loopback
+    toward a service on another host); None for a loopback service (the device then listens on loopback)."""
+    host, _ = parse_address(servers, "servers")
+    if gloo_net.is_loopback(host) and not gloo_net.env_interfaces():
+        return None
+    bound, chosen = gloo_net.bind_address(host)
+    gloo_net.check_reaches(
+        bound,
+        chosen,
+        host,
+        "ivyplug serve",
+        f"unset {gloo_net.IFNAME_ENV} or set it to the interface of this host that reaches {host}",
+    )
+    return bound
 
 
 def worker_slots(cfg: PSConfig) -> int:
@@ -68,14 +119,19 @@ def worker_slots(cfg: PSConfig) -> int:
 
 
 def connect(cfg: PSConfig) -> ServiceLink:
-    """Meet the service at ``cfg.servers``, prove ``cfg.token``, form the pair group."""
-    store, host = _store(cfg)
+    """Meet the service at ``cfg.servers``, prove ``cfg.token``, form the pair group.
+
+    An address that cannot connect the two (this worker's gloo device on loopback toward a service on
+    another host, or the service's toward this worker) raises :class:`~ivyplug.ps.gloo_net.PSAddressError` at
+    once, naming the address and the setting to change.
+    """
     assert cfg.servers is not None
-    member, prefix, verdict = auth.client_handshake(store, cfg.token, cfg.timeout, cfg.servers)
-    try:
-        group = auth.pair_group(store, prefix, 1, cfg.timeout, host)
-    except RuntimeError as exc:
-        raise PSTimeoutError(f"could not connect to ivyplug serve at {cfg.servers}: {exc}") from exc
+    deadline = time.monotonic() + cfg.timeout  # the whole connection within one timeout, not one per wait
+    address = own_address(cfg.servers)
+    store, host = _store(cfg)
+    left = max(0.1, deadline - time.monotonic())
+    member, prefix, verdict = auth.client_handshake(store, cfg.token, left, cfg.servers, address)
+    group = _pair_within(store, prefix, cfg, host, within=max(0.1, deadline - time.monotonic()))
     services = [dict(x) for x in verdict.get("services", [])]
     return ServiceLink(
         cfg.servers, store, group, Channel(group, 1, cfg.timeout), int(verdict["shards"]), member, services=services

@@ -14,6 +14,7 @@ Everything else (a step, sync, checkpoints) is the same loop over the endpoints 
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 import threading
 from dataclasses import dataclass, field
@@ -23,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import job_description, service_link
-from ivyplug.ps.config import PSConfig
-from ivyplug.ps.dedicated import launch, ps_host
+from ivyplug.ps import gloo_net, job_description, service_link
+from ivyplug.ps.config import PSConfig, parse_address
+from ivyplug.ps.dedicated import check_ps_host, launch, ps_host
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.endpoints import InProcessEndpoint, ShardEndpoint, WireEndpoint, WireStats
 from ivyplug.ps.layout import FlatLayout
@@ -77,7 +78,8 @@ def colocated(job: Job) -> Topology:
     rank, world_size = job.rank, job.world_size
     channel = None
     if world_size > 1:
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout))
+        with gloo_net.interface_for(os.environ.get("MASTER_ADDR")):
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout))
         channel = Channel(group, rank, cfg.timeout)
     full = layout.flat_local()
     workers.broadcast(full, "rank 0's parameters")
@@ -110,6 +112,7 @@ def dedicated(job: Job) -> Topology:
     """Rank 0 starts the job's own ``ivyplug serve`` (dedicated.py); then every worker joins it (external)."""
     cfg, rank, workers = job.cfg, job.rank, job.workers
     host = ps_host()
+    check_ps_host(host, job.world_size)
     port = torch.zeros(1, dtype=torch.int64)
     secret = torch.zeros(32, dtype=torch.uint8)
     procs: list[Any] = []
@@ -147,6 +150,15 @@ def external(job: Job, link: ServiceLink) -> Topology:
     values = [layout.shard_values(full, s) for s in range(plan.num_shards)]
     want = rank if world_size > 1 else -1
     # the other services that hold shards of the job (ivyplug serve --join): a pair with each
+    first_host, _ = parse_address(link.address, "servers")
+    for svc in link.services[1:]:
+        other_host, _ = parse_address(str(svc["address"]), "a service of the job")
+        if gloo_net.is_loopback(other_host) and not gloo_net.is_loopback(first_host):
+            raise gloo_net.PSAddressError(
+                f"ivyplug serve at {link.address} says shards of the job are held by a service at {svc['address']}, "
+                "a loopback address that a worker on another host cannot reach: start that service with --host "
+                "<an address of its host that the workers reach>"
+            )
     others = [service_link.connect(dataclasses.replace(cfg, servers=svc["address"])) for svc in link.services[1:]]
     if rank == 0:
         service_link.join(link, desc, values, want, world_size, stats)

@@ -6,12 +6,14 @@ every one of them is bounded by the PS ``timeout`` with an error naming what it 
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ivyplug.ps import gloo_net
 from ivyplug.ps.transport import wait_work
 
 
@@ -20,7 +22,10 @@ class WorkerGroup:
 
     def __init__(self, rank: int, world_size: int, timeout: float) -> None:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.group: Any = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if world_size > 1 else None
+        self.group: Any = None
+        if world_size > 1:
+            with gloo_net.interface_for(os.environ.get("MASTER_ADDR")):
+                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
 
     def wait(self, work: Any, what: str) -> None:
         wait_work(work, self.timeout, f"{what} (collective on the PS group, rank {self.rank})")

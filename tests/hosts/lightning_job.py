@@ -1,0 +1,84 @@
+"""One node of a two-node Lightning job on the digits MLP, started by torchrun on each emulated host.
+
+``torchrun --nnodes 2 --node-rank I ... lightning_job.py OUT_DIR --strategy ddp|ivy_ps_sync|ivy_ps_async``
+trains 2 epochs (SGD with momentum, gradient clipping 0.5) and writes each rank's parameters to
+``OUT_DIR/rank{r}.pt`` (its initial ones to ``init{r}.pt``); it prints ``rank R batch N`` after every batch,
+and ``--sleep`` slows every batch by that many seconds. ``--nodes 1 --servers HOST:PORT``: one worker of an
+``ivyplug serve``, started on its own; an error that ends ``fit`` is printed as ``error after S s: ...`` (exit 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--strategy", default="ivy_ps_sync")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--nodes", type=int, default=2, help="1: a single worker, started without torchrun")
+    ap.add_argument("--servers", default=None, help="host:port of an ivyplug serve (token: $IVYPLUG_TOKEN)")
+    ap.add_argument("--num-servers", type=int, default=0, help="dedicated server processes started by rank 0")
+    args = ap.parse_args()
+    import torch
+    from ivyplug.integrations.lightning import IvyPSStrategy
+    from ivyplug.integrations.lightning.launchers import destroy_default_group
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from tests.integrations.lightning.digits import DigitsMLP
+
+    torch.set_num_threads(1)
+
+    class Progress(Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            print(f"rank {trainer.global_rank} batch {batch_idx}", flush=True)
+            if args.sleep:
+                time.sleep(args.sleep)
+
+    seed_everything(0)
+    model = DigitsMLP(hidden=64, lr=0.1, optimizer="sgd", batch_size=32)
+    rank = int(os.environ.get("RANK", "0"))
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, Path(args.out) / f"init{rank}.pt")
+    strategy: Any = args.strategy
+    if args.strategy.startswith("ivy_ps_"):
+        mode = args.strategy.removeprefix("ivy_ps_")
+        strategy = IvyPSStrategy(mode=mode, timeout=args.timeout, servers=args.servers, num_servers=args.num_servers)
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        num_nodes=args.nodes,
+        max_epochs=args.epochs,
+        gradient_clip_val=0.5,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[Progress()],
+    )
+    t0 = time.monotonic()
+    try:
+        trainer.fit(model)
+    except Exception as exc:
+        print(f"error after {time.monotonic() - t0:.1f} s: {type(exc).__name__}: {exc}", flush=True)
+        return 3
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, Path(args.out) / f"rank{rank}.pt")
+    print(f"rank {rank} done", flush=True)
+    destroy_default_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -218,8 +218,9 @@ def test_through_an_ivyplug_serve_wire() -> None:
             assert time.monotonic() - start < 2 * cfg.timeout + 5
         finally:
             opt.detach()
-            with pytest.raises((PSProtocolError, PSTimeoutError, RuntimeError)):
-                client.close()
+            start = time.monotonic()
+            client.close()  # the servers are gone: no goodbye over the dead link, whose error would hide the first
+            assert time.monotonic() - start < cfg.timeout
 
 
 BAD: list[tuple[Callable[[], Any], str]] = [

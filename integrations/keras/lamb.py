@@ -281,8 +281,9 @@ class LAMB(keras.optimizers.Optimizer):
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
         m_new, v_new, step = self._lamb_step(gradient, variable, scalars)
-        self.assign(m, ops.where(apply, m_new, m))
-        self.assign(v, ops.where(apply, v_new, v))
+        # Variables as tensors: JAX refuses a Keras variable as an argument of a traced function (``where``).
+        self.assign(m, ops.where(apply, m_new, ops.convert_to_tensor(m)))
+        self.assign(v, ops.where(apply, v_new, ops.convert_to_tensor(v)))
         self.assign_sub(variable, ops.where(apply, step, ops.zeros_like(step)))
 
     def _step_scalars(self, dtype: str, learning_rate: Any) -> tuple[Any, ...]:

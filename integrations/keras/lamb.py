@@ -206,13 +206,17 @@ class LAMB(keras.optimizers.Optimizer):
         Runs on the aggregated gradients, so every replica computes the same result.
         """
         grads = [ops.convert_to_tensor(g) for g in grads]
-        norm_dtype = keras.backend.result_type(*[g.dtype for g in grads], "float32")
+        # float64 if any gradient is, else float32 (keras.backend.result_type(..., "float32") can narrow float64).
+        dtypes = {keras.backend.standardize_dtype(g.dtype) for g in grads}
+        norm_dtype = "float64" if "float64" in dtypes else "float32"
         total = ops.sqrt(ops.sum(ops.stack([_sum_of_squares(ops.cast(g, norm_dtype)) for g in grads])))
         finite = ops.isfinite(total)  # False when any element is NaN/Inf, or when the norm overflows
         if self.max_grad_norm is None:
             return grads, finite
         # The coefficient of torch.nn.utils.clip_grad_norm_ (and of ivyplug.optim.LAMB): min(1, c / (‖g‖ + 1e-6)).
-        scale = ops.minimum(_constant(self.max_grad_norm, norm_dtype) / (total + _CLIP_EPS), 1)
+        # min(coefficient, 1) with ``where``: ops.minimum on PyTorch returns floatx, float64 inputs included.
+        coefficient = _constant(self.max_grad_norm, norm_dtype) / (total + _constant(_CLIP_EPS, norm_dtype))
+        scale = ops.where(coefficient < 1, coefficient, ops.ones_like(coefficient))
         return [g * ops.cast(scale, g.dtype) for g in grads], finite
 
     def _backend_update_step(self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any) -> None:

@@ -1,0 +1,60 @@
+"""Run :mod:`.backend_scenarios` under a given ``KERAS_BACKEND``.
+
+Keras fixes its backend at import, and this test process imports it with TensorFlow, so JAX and PyTorch run
+in a fresh interpreter: one per backend for a whole batch of scenarios (the imports dominate the time), in
+a process group of its own that is killed on timeout (a hung collective or thread cannot outlive the test).
+TensorFlow runs the same functions in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+#: Keras's backends, as ``KERAS_BACKEND`` spells them.
+BACKENDS: tuple[str, ...] = ("tensorflow", "jax", "torch")
+
+
+def run_scenarios(backend: str, names: list[str], tmp: Path, timeout: float = 240.0) -> dict[str, Any]:
+    """``{name: {"result": ...} | {"error": traceback}}`` of each scenario, run on ``backend``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "tensorflow":
+        from tests.integrations.keras import backend_scenarios
+
+        return backend_scenarios.run(names, str(tmp))
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # one worker on its own
+        env.pop(key, None)
+    request = json.dumps({"names": names, "tmp": str(tmp)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integrations.keras.backend_scenarios", request],
+        cwd=str(REPO),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: killed as a whole below
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"KERAS_BACKEND={backend}: scenarios {names} ran over {timeout} s\n{err[-3000:]}"
+        ) from None
+    lines = out.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"KERAS_BACKEND={backend}: exit {proc.returncode}\n{err[-3000:]}")
+    results: dict[str, Any] = json.loads(lines[-1])
+    if results.pop("backend") != backend:
+        raise AssertionError(f"the child ran Keras on another backend than {backend}")
+    return results

@@ -57,6 +57,20 @@ def _sum_of_squares(x: Any) -> Any:
     return ops.sum(ops.square(x))
 
 
+def _is_traced(value: Any) -> bool:
+    """Whether ``value`` is a placeholder of a function being traced (JAX ``jit``, PyTorch ``torch.compile``)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return isinstance(value, jax.core.Tracer)
+    if backend == "torch":
+        import torch
+
+        return bool(torch.compiler.is_compiling())
+    return False
+
+
 def _variable_path(variable: Any) -> str:
     """The name patterns are matched against: ``layer/.../name`` when Keras knows it."""
     return str(getattr(variable, "path", None) or variable.name)
@@ -223,14 +237,49 @@ class LAMB(keras.optimizers.Optimizer):
         if keras.backend.backend() == "tensorflow":
             self._tf_update_step(grads, trainable_variables, learning_rate)
         else:
-            grads, finite = self._screen_gradients(list(grads))
-            scalars: dict[str, tuple[Any, ...]] = {}
+            self._portable_update_step(list(grads), list(trainable_variables), learning_rate)
+
+    def _portable_update_step(self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any) -> None:
+        """JAX and PyTorch: screen the gradients, then one branch for the whole step (every variable's new moments
+        and value, or the old ones), and the writes after it: traced functions (``jax.jit``, ``torch.compile``)
+        take no side effects inside a branch. Traced, the branch is ``keras.ops.cond``; run eagerly, a Python
+        ``if`` on the concrete flag (``cond`` would trace both branches at every step)."""
+        grads, finite = self._screen_gradients(grads)
+        scalars: dict[str, tuple[Any, ...]] = {}
+        for variable in trainable_variables:
+            dtype = keras.backend.standardize_dtype(variable.dtype)
+            if dtype not in scalars:
+                scalars[dtype] = self._step_scalars(dtype, learning_rate)
+        indices = [self._get_variable_index(v) for v in trainable_variables]
+
+        def updated() -> list[tuple[Any, Any, Any]]:
+            out = []
             for grad, variable in zip(grads, trainable_variables, strict=True):
                 dtype = keras.backend.standardize_dtype(variable.dtype)
-                if dtype not in scalars:
-                    scalars[dtype] = self._step_scalars(dtype, learning_rate)
-                self._lamb_update(grad, variable, scalars[dtype], finite)
-            self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), self._skipped_steps.dtype))
+                m_new, v_new, step = self._lamb_step(grad, variable, scalars[dtype])
+                out.append((m_new, v_new, ops.convert_to_tensor(variable) - step))
+            return out
+
+        def unchanged() -> list[tuple[Any, Any, Any]]:
+            return [
+                (
+                    ops.convert_to_tensor(self._momentums[i]),
+                    ops.convert_to_tensor(self._velocities[i]),
+                    ops.convert_to_tensor(variable),
+                )
+                for i, variable in zip(indices, trainable_variables, strict=True)
+            ]
+
+        if _is_traced(finite):
+            new_values = ops.cond(finite, updated, unchanged)
+        else:
+            new_values = updated() if bool(ops.convert_to_numpy(finite)) else None
+        if new_values is not None:
+            for (m_new, v_new, x_new), i, variable in zip(new_values, indices, trainable_variables, strict=True):
+                self.assign(self._momentums[i], m_new)
+                self.assign(self._velocities[i], v_new)
+                self.assign(variable, x_new)
+        self._skipped_steps.assign_add(ops.cast(ops.logical_not(finite), self._skipped_steps.dtype))
 
     def _tf_update_step(self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any) -> None:
         """TensorFlow: sum over replicas (Keras's own all-reduce), clip, then update each variable's copies."""

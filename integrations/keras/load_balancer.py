@@ -41,6 +41,14 @@ The decisions are ivyplug's framework-free core (:mod:`ivyplug.load`): probes po
   Lightning twin logs). With ``log_every_n_steps`` the latest readings are also added to the batch logs every n
   steps.
 
+Keras backends: everything above works on TensorFlow; on JAX and PyTorch the model is one replica (their
+trainers take the global batch in one process) and the batch size, the learning rate (on JAX written into the
+trainer's state: ``model.jax_state_sync()`` first, so the next step reads it), the probes and the metrics work the
+same. What cannot apply there warns once and says why: the gradient noise scale (the per-replica gradients are not
+visible, so B does not grow under ``goodput=True``), sharing readings between JAX processes (each decides from its
+own; under ``torchrun`` on PyTorch one ``all_reduce`` per epoch shares them), and the micro-batch split below (an
+out-of-memory error of the backend is counted and stops ``fit`` as an ``OutOfMemoryRecoveryError`` that says why).
+
 Out of memory (:class:`ElasticDataset` input, Keras 3.15, TensorFlow backend): the callback wraps
 ``model.train_function`` for the duration of ``fit`` (installed in ``on_train_begin``, which Keras calls
 right after ``make_train_function``; removed in ``on_train_end``). A ``tf.errors.ResourceExhaustedError``

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,28 +22,25 @@ REPO = Path(__file__).resolve().parents[3]
 BACKENDS: tuple[str, ...] = ("tensorflow", "jax", "torch")
 
 
-def run_scenarios(backend: str, names: list[str], tmp: Path, timeout: float = 240.0) -> dict[str, Any]:
-    """``{name: {"result": ...} | {"error": traceback}}`` of each scenario, run on ``backend``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "tensorflow":
-        from tests.integrations.keras import backend_scenarios
-
-        return backend_scenarios.run(names, str(tmp))
+def _start(backend: str, names: list[str], tmp: Path, extra_env: dict[str, str]) -> subprocess.Popen[str]:
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # one worker on its own
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # one worker on its own unless asked
         env.pop(key, None)
+    env.update(extra_env)
     request = json.dumps({"names": names, "tmp": str(tmp)})
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "tests.integrations.keras.backend_scenarios", request],
         cwd=str(REPO),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # its own process group: killed as a whole below
+        start_new_session=True,  # its own process group: killed as a whole on timeout
     )
+
+
+def _collect(proc: subprocess.Popen[str], backend: str, names: list[str], timeout: float) -> dict[str, Any]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -58,3 +56,40 @@ def run_scenarios(backend: str, names: list[str], tmp: Path, timeout: float = 24
     if results.pop("backend") != backend:
         raise AssertionError(f"the child ran Keras on another backend than {backend}")
     return results
+
+
+def run_scenarios(backend: str, names: list[str], tmp: Path, timeout: float = 240.0) -> dict[str, Any]:
+    """``{name: {"result": ...} | {"error": traceback}}`` of each scenario, run on ``backend``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "tensorflow":
+        from tests.integrations.keras import backend_scenarios
+
+        return backend_scenarios.run(names, str(tmp))
+    return _collect(_start(backend, names, tmp, {}), backend, names, timeout)
+
+
+def run_workers(backend: str, names: list[str], tmp: Path, world: int, timeout: float = 120.0) -> list[dict[str, Any]]:
+    """The scenarios in ``world`` processes started as ``torchrun`` starts workers (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``), each process's results in rank order."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [
+        _start(
+            backend,
+            names,
+            tmp,
+            {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+        )
+        for r in range(world)
+    ]
+    try:
+        return [_collect(p, backend, names, timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

@@ -392,6 +392,46 @@ def elastic_between_epochs(source: str) -> dict[str, Any]:
     }
 
 
+def balancer_exchange() -> dict[str, Any]:
+    """The epoch's load readings shared between workers: under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) on
+    PyTorch one ``all_reduce``; with several JAX processes (``jax.process_count`` stubbed to 2 here) not shared,
+    one warning; one process anywhere: its own reading."""
+    import keras
+    from ivyplug.integrations.keras import IvyLoadBalancer
+
+    from ivyplug.load import LoadObservation
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    balancer = IvyLoadBalancer(None, probes=[])
+    local = LoadObservation(utilization=10.0 * (rank + 1), memory_fraction=0.25 * (rank + 1), oom_count=rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if keras.backend.backend() == "jax":
+            import jax
+
+            real = jax.process_count
+            jax.process_count = lambda: 2  # type: ignore[assignment]
+            try:
+                rounds = [balancer._exchange(local) for _ in range(2)]
+            finally:
+                jax.process_count = real  # type: ignore[assignment]
+        else:
+            rounds = [balancer._exchange(local) for _ in range(2)]
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return {
+        "rounds": [[[o.utilization, o.memory_fraction, o.oom_count] for o in r] for r in rounds],
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
 SCENARIOS: dict[str, Callable[..., Any]] = {
     "lamb_apply_float32": lambda tmp: lamb_apply("float32"),
     "lamb_apply_float64": lambda tmp: lamb_apply("float64"),
@@ -405,6 +445,7 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "balancer_oom": lambda tmp: balancer_oom(),
     "elastic_tf_data": lambda tmp: elastic_between_epochs("tf"),
     "elastic_py_dataset": lambda tmp: elastic_between_epochs("py"),
+    "balancer_exchange": lambda tmp: balancer_exchange(),
 }
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("jax")
 pytest.importorskip("torch")
 
 from tests.integrations.keras import backend_scenarios as sc
-from tests.integrations.keras.backend_runner import BACKENDS, run_scenarios
+from tests.integrations.keras.backend_runner import BACKENDS, run_scenarios, run_workers
 from tests.optim.reference import RefGroup, RefLamb
 
 _cache: dict[str, dict[str, Any]] = {}
@@ -229,6 +229,25 @@ def test_balancer_out_of_memory_is_counted_and_refused_with_the_reason(
     assert got["oom_count"] == 1
     assert "micro-batch recovery needs the TensorFlow backend" in got["error"] and keras_backend in got["error"]
     assert len(got["warnings"]) == 1
+
+
+def test_balancer_exchange_in_one_process(keras_backend: str, results: dict[str, Any]) -> None:
+    got = _result(results, "balancer_exchange")
+    assert got["rounds"] == [[[10.0, 0.25, 0]]] * 2  # its own reading
+    if keras_backend == "jax":  # two JAX processes (stubbed): not shared, said once
+        (message,) = got["warnings"]
+        assert "2 JAX processes do not exchange their load readings" in message
+    else:
+        assert got["warnings"] == []
+
+
+def test_balancer_shares_load_readings_between_torchrun_workers_on_pytorch(tmp_path: Path) -> None:
+    """Two PyTorch-backend workers (gloo): every worker gets both readings, in rank order, each epoch."""
+    workers = run_workers("torch", ["balancer_exchange"], tmp_path, world=2)
+    want = [[10.0, 0.25, 0], [20.0, 0.5, 1]]
+    for worker in workers:
+        got = _result(worker, "balancer_exchange")
+        assert got["rounds"] == [want, want] and got["warnings"] == []
 
 
 @pytest.mark.parametrize("source", ["tf_data", "py_dataset"])

@@ -71,6 +71,23 @@ def _is_traced(value: Any) -> bool:
     return False
 
 
+def _no_op_unless(apply: Any, scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:meth:`LAMB._step_scalars` that leave ``m``, ``v`` and ``x`` as they are where ``apply`` is false
+    (``m·1 + 0·g``, ``v·1 + 0·g²``, ``x − 0·w``; exact while ``w`` is finite, that is ``epsilon > 0``)."""
+    lr, c, eps, b1, one_minus_b1, b2, one_minus_b2, decay_over_c = scalars
+    one, zero = ops.ones_like(b1), ops.zeros_like(b1)
+    return (
+        ops.where(apply, lr, ops.zeros_like(lr)),
+        c,
+        eps,
+        ops.where(apply, b1, one),
+        ops.where(apply, one_minus_b1, zero),
+        ops.where(apply, b2, one),
+        ops.where(apply, one_minus_b2, zero),
+        decay_over_c,
+    )
+
+
 def _variable_path(variable: Any) -> str:
     """The name patterns are matched against: ``layer/.../name`` when Keras knows it."""
     return str(getattr(variable, "path", None) or variable.name)
@@ -240,22 +257,31 @@ class LAMB(keras.optimizers.Optimizer):
             self._portable_update_step(list(grads), list(trainable_variables), learning_rate)
 
     def _portable_update_step(self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any) -> None:
-        """JAX and PyTorch: screen the gradients, then one branch for the whole step (every variable's new moments
-        and value, or the old ones), and the writes after it: traced functions (``jax.jit``, ``torch.compile``)
-        take no side effects inside a branch. Traced, the branch is ``keras.ops.cond``; run eagerly, a Python
-        ``if`` on the concrete flag (``cond`` would trace both branches at every step)."""
+        """JAX and PyTorch: screen the gradients, then update every variable or none.
+
+        Run eagerly, a Python ``if`` on the concrete flag. Traced (``jax.jit``, ``torch.compile``), where no side
+        effect may sit in a branch: with ``epsilon > 0`` a skipped step is made a no-op through its scalars
+        (``β → 1``, ``1 − β → 0``, ``η → 0``, and non-finite gradient entries read as 0), so ``m``, ``v`` and ``x``
+        keep their values exactly and the update stays one fused pass, measured faster on JAX than a branch; with
+        ``epsilon = 0`` (where ``m/√v`` may be 0/0) one ``keras.ops.cond`` over the whole step selects the values.
+        """
         grads, finite = self._screen_gradients(grads)
+        traced = _is_traced(finite)
         scalars: dict[str, tuple[Any, ...]] = {}
         for variable in trainable_variables:
             dtype = keras.backend.standardize_dtype(variable.dtype)
             if dtype not in scalars:
                 scalars[dtype] = self._step_scalars(dtype, learning_rate)
+                if traced and self.epsilon > 0:
+                    scalars[dtype] = _no_op_unless(finite, scalars[dtype])
         indices = [self._get_variable_index(v) for v in trainable_variables]
 
         def updated() -> list[tuple[Any, Any, Any]]:
             out = []
             for grad, variable in zip(grads, trainable_variables, strict=True):
                 dtype = keras.backend.standardize_dtype(variable.dtype)
+                if traced and self.epsilon > 0:
+                    grad = ops.where(ops.isfinite(grad), grad, ops.zeros_like(grad))
                 m_new, v_new, step = self._lamb_step(grad, variable, scalars[dtype])
                 out.append((m_new, v_new, ops.convert_to_tensor(variable) - step))
             return out
@@ -270,10 +296,12 @@ class LAMB(keras.optimizers.Optimizer):
                 for i, variable in zip(indices, trainable_variables, strict=True)
             ]
 
-        if _is_traced(finite):
-            new_values = ops.cond(finite, updated, unchanged)
-        else:
+        if not traced:
             new_values = updated() if bool(ops.convert_to_numpy(finite)) else None
+        elif self.epsilon > 0:
+            new_values = updated()
+        else:
+            new_values = ops.cond(finite, updated, unchanged)
         if new_values is not None:
             for (m_new, v_new, x_new), i, variable in zip(new_values, indices, trainable_variables, strict=True):
                 self.assign(self._momentums[i], m_new)

@@ -86,6 +86,61 @@ def lamb_apply(dtype: str) -> dict[str, Any]:
     }
 
 
+def lamb_apply_compiled(epsilon: float) -> dict[str, Any]:
+    """The steps of :func:`lamb_apply` (float32) compiled as ``fit`` compiles them: ``jax.jit`` of
+    ``stateless_apply``, ``torch.compile`` of ``apply``, ``tf.function(jit_compile=True)`` of ``apply``."""
+    import keras
+    from ivyplug.integrations.keras import LAMB
+
+    x0, grads = random_problem(seed=5)
+    variables = [keras.Variable(a, name=n) for a, n in zip(x0, NAMES, strict=True)]
+    opt = LAMB(**LAMB_HP, epsilon=epsilon)
+    opt.build(variables)
+    backend = keras.backend.backend()
+    tensors = [[keras.ops.convert_to_tensor(a) for a in g] for g in grads]
+    if backend == "jax":
+        import jax
+
+        step = jax.jit(opt.stateless_apply)
+        tv, ov = [v.value for v in variables], [v.value for v in opt.variables]
+        for g in tensors:
+            tv, ov = step(ov, g, tv)
+        for ref, value in zip(variables, tv, strict=True):
+            ref.assign(value)
+        for ref, value in zip(opt.variables, ov, strict=True):
+            ref.assign(value)
+    elif backend == "torch":
+        import torch
+
+        @torch.compile
+        def torch_step(gs: list[Any]) -> None:
+            opt.apply(gs, variables)
+
+        with torch.no_grad():
+            for g in tensors:
+                torch_step(g)
+    else:
+        import tensorflow as tf
+
+        @tf.function(jit_compile=True)
+        def tf_step(gs: list[Any]) -> None:
+            opt.apply(gs, variables)
+
+        for g in tensors:
+            tf_step(g)
+    return {
+        "values": _lists([keras.ops.convert_to_numpy(v) for v in variables]),
+        "skipped": int(keras.ops.convert_to_numpy(opt.skipped_steps)),
+        "iterations": int(keras.ops.convert_to_numpy(opt.iterations)),
+    }
+
+
+def _backend() -> str:
+    import keras
+
+    return str(keras.backend.backend())
+
+
 def _linear_model(w0: list[np.ndarray]) -> Any:
     import keras
 
@@ -435,6 +490,10 @@ def balancer_exchange() -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[..., Any]] = {
     "lamb_apply_float32": lambda tmp: lamb_apply("float32"),
     "lamb_apply_float64": lambda tmp: lamb_apply("float64"),
+    "lamb_apply_compiled": lambda tmp: lamb_apply_compiled(1e-6),
+    # epsilon 0 takes the branch (keras.ops.cond) instead of the no-op scalars; one compile of torch's costs
+    # 15-20 s here, so PyTorch compiles the epsilon > 0 form only (the branch is the same code on JAX)
+    "lamb_apply_compiled_eps0": lambda tmp: None if _backend() == "torch" else lamb_apply_compiled(0.0),
     "lamb_fit_jit": lambda tmp: lamb_fit(True),
     "lamb_fit_nojit": lambda tmp: lamb_fit(False),
     "lamb_save_load": lamb_save_load,

@@ -301,8 +301,10 @@ class ElasticDataset:
 
     def py_dataset(self) -> Any:
         """The infinite schedule as a ``keras.utils.PyDataset`` of global batches (any backend; use with
-        ``model.fit(..., steps_per_epoch=...)``). One Keras worker thread, no multiprocessing: Keras reads
-        it batch by batch, so the pipeline runs at most one batch ahead of the model."""
+        ``model.fit(..., steps_per_epoch=...)``). One Keras worker thread, no multiprocessing: on JAX and
+        PyTorch Keras reads it batch by batch, one batch ahead of the model at most. TensorFlow wraps it in a
+        prefetching ``tf.data`` pipeline that reads further ahead (changes then land later, at the step
+        :meth:`set_batch_size` was given after :meth:`produced_step`): prefer :meth:`tf_dataset` there."""
         import keras
 
         dataset = self

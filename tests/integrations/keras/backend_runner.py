@@ -69,6 +69,35 @@ def run_scenarios(backend: str, names: list[str], tmp: Path, timeout: float = 24
     return _collect(_start(backend, names, tmp, {}), backend, names, timeout)
 
 
+class ScenarioRuns:
+    """The scenarios on every backend, the JAX and PyTorch interpreters started together on the first request
+    (they run while TensorFlow's share runs in this process), each result collected when first asked for."""
+
+    def __init__(self, names: list[str], tmp: Path, timeout: float = 300.0) -> None:
+        self.names, self.tmp, self.timeout = names, tmp, timeout
+        self._procs: dict[str, subprocess.Popen[str]] = {}
+        self._results: dict[str, dict[str, Any]] = {}
+
+    def get(self, backend: str) -> dict[str, Any]:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend not in self._results:
+            if not self._procs:
+                self._procs = {b: _start(b, self.names, self.tmp, {}) for b in BACKENDS if b != "tensorflow"}
+            if backend == "tensorflow":
+                self._results[backend] = run_scenarios(backend, self.names, self.tmp)
+            else:
+                self._results[backend] = _collect(self._procs[backend], backend, self.names, self.timeout)
+        return self._results[backend]
+
+    def close(self) -> None:
+        """Kill what still runs (a test session that stopped early)."""
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
+
 def run_workers(backend: str, names: list[str], tmp: Path, world: int, timeout: float = 120.0) -> list[dict[str, Any]]:
     """The scenarios in ``world`` processes started as ``torchrun`` starts workers (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``), each process's results in rank order."""

@@ -325,6 +325,7 @@ def balancer_fit(source: str) -> dict[str, Any]:
         "lag": data.lag,
         "steps_per_epoch": data.steps_per_epoch,
         "decisions": [list(d[1:3]) for d in balancer.decisions],
+        "segments": [[int(seg.start_step), int(seg.batch_size)] for seg in data.segments],
         "final_lr": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
         "warnings": sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)}),
         "sampler_closed": balancer.sampler is None,
@@ -435,8 +436,9 @@ def elastic_between_epochs(source: str) -> dict[str, Any]:
             self.consumed += 1
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            if epoch == 0:
-                data.set_batch_size(64, at_step=data.earliest_change_step(self.consumed))
+            if epoch == 0:  # after what the pipeline produced: TensorFlow prefetches a PyDataset (AUTOTUNE)
+                at = max(data.earliest_change_step(self.consumed), data.produced_step() + 1)
+                data.set_batch_size(64, at_step=at)
 
     spy = _spy()
     model = _classifier(keras.optimizers.SGD(0.01))

@@ -261,7 +261,7 @@ class LAMB(keras.optimizers.Optimizer):
 
         Run eagerly, a Python ``if`` on the concrete flag. Traced (``jax.jit``, ``torch.compile``), where no side
         effect may sit in a branch: with ``epsilon > 0`` a skipped step is made a no-op through its scalars
-        (``β → 1``, ``1 − β → 0``, ``η → 0``, and non-finite gradient entries read as 0), so ``m``, ``v`` and ``x``
+        (``β → 1``, ``1 − β → 0``, ``η → 0``, and the gradients read as 0), so ``m``, ``v`` and ``x``
         keep their values exactly and the update stays one fused pass, measured faster on JAX than a branch; with
         ``epsilon = 0`` (where ``m/√v`` may be 0/0) one ``keras.ops.cond`` over the whole step selects the values.
         """
@@ -280,8 +280,8 @@ class LAMB(keras.optimizers.Optimizer):
             out = []
             for grad, variable in zip(grads, trainable_variables, strict=True):
                 dtype = keras.backend.standardize_dtype(variable.dtype)
-                if traced and self.epsilon > 0:
-                    grad = ops.where(ops.isfinite(grad), grad, ops.zeros_like(grad))
+                if traced and self.epsilon > 0:  # a skipped step reads zeros (a finite g can still overflow g²)
+                    grad = ops.where(finite, grad, ops.zeros_like(grad))
                 m_new, v_new, step = self._lamb_step(grad, variable, scalars[dtype])
                 out.append((m_new, v_new, ops.convert_to_tensor(variable) - step))
             return out

@@ -29,6 +29,7 @@ NAMES: tuple[str, ...] = ("dense_kernel", "dense_bias", "layer_norm_gamma")
 LAMB_HP: dict[str, Any] = {"learning_rate": 0.05, "weight_decay": 0.1, "max_trust_ratio": 0.4, "max_grad_norm": 2.0}
 STEPS = 12
 NAN_STEP = 5  # a NaN gradient there: the whole step is skipped
+OVERFLOW_STEP = 8  # the compiled scenario's float32 overflow of the global norm
 
 
 def random_problem(seed: int, steps: int = STEPS) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
@@ -93,6 +94,7 @@ def lamb_apply_compiled(epsilon: float) -> dict[str, Any]:
     from ivyplug.integrations.keras import LAMB
 
     x0, grads = random_problem(seed=5)
+    grads[OVERFLOW_STEP][0][0, 0] = 3e38  # finite, but its square overflows float32: the step is skipped too
     variables = [keras.Variable(a, name=n) for a, n in zip(x0, NAMES, strict=True)]
     opt = LAMB(**LAMB_HP, epsilon=epsilon)
     opt.build(variables)

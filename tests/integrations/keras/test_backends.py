@@ -111,8 +111,9 @@ def test_lamb_float64_matches_the_float64_reference(results: dict[str, Any]) -> 
 def test_lamb_compiled_matches_the_float64_reference_and_skips(
     keras_backend: str, results: dict[str, Any], epsilon: float
 ) -> None:
-    """Compiled steps (jax.jit, torch.compile, XLA) with a NaN gradient in step NAN_STEP: the no-op-scalars form
-    (epsilon > 0) and the branch (epsilon = 0) both skip exactly that step."""
+    """Compiled steps (jax.jit, torch.compile, XLA) with a NaN gradient in step NAN_STEP and a float32 overflow of
+    the global norm in OVERFLOW_STEP: the no-op-scalars form (epsilon > 0) and the branch (epsilon = 0) both skip
+    exactly those steps (the float64 reference, which does not overflow, is given a NaN there)."""
     got = _result(results, "lamb_apply_compiled" if epsilon else "lamb_apply_compiled_eps0")
     if got is None:
         pytest.skip(f"not compiled on {keras_backend} (see backend_scenarios.SCENARIOS)")
@@ -122,9 +123,10 @@ def test_lamb_compiled_matches_the_float64_reference_and_skips(
         for i in range(3)
     ]
     ref = RefLamb(x0, groups, max_grad_norm=sc.LAMB_HP["max_grad_norm"])
+    grads[sc.OVERFLOW_STEP][0][0, 0] = np.nan
     for g in grads:
         ref.step(g)
-    assert got["skipped"] == 1 and got["iterations"] == sc.STEPS
+    assert got["skipped"] == 2 and got["iterations"] == sc.STEPS
     for name, g, w in zip(sc.NAMES, got["values"], ref.params, strict=True):
         np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=2e-6, err_msg=name)
 

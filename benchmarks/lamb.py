@@ -512,9 +512,14 @@ def _run_child(
     return result
 
 
-def _run_keras_child(config: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """The Keras comparison, in its own process (TensorFlow's threads and allocator stay out of the torch runs)."""
-    env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+#: Keras backends the ``--keras`` comparison runs on, each in a child of its own.
+KERAS_BACKENDS: tuple[str, ...] = ("tensorflow", "jax", "torch")
+
+
+def _run_keras_child(config: dict[str, Any], timeout: float, backend: str) -> dict[str, Any]:
+    """The Keras comparison on one backend, in its own process (Keras fixes its backend at import; the backend's
+    threads and allocator stay out of the torch runs)."""
+    env = {"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
     return _run_child(config, env, timeout, module="ivyplug.benchmarks.lamb_keras_job")
 
 
@@ -561,13 +566,18 @@ def run(
     sizes: dict[str, tuple[int, int]] | None = None,
     threads: int | None = None,
     keras: bool = False,
+    keras_backends: tuple[str, ...] = KERAS_BACKENDS,
 ) -> dict[str, Any]:
-    """Both allocator settings, each in a fresh subprocess; with ``keras`` the Keras comparison in a third.
+    """Both allocator settings, each in a fresh subprocess; with ``keras`` the Keras comparison, one more
+    subprocess per Keras backend in ``keras_backends``.
 
     ``sizes`` overrides :data:`SIZES` and ``threads`` the intra-op thread count (default: the
     ``IVYPLUG_BENCH_THREADS`` environment variable, else 2; smoke tests use tiny sizes and one thread).
     """
     threads = _resolve_threads(threads)
+    unknown = [b for b in keras_backends if b not in KERAS_BACKENDS]
+    if unknown or not keras_backends:
+        raise ValueError(f"keras_backends must be a non-empty subset of {KERAS_BACKENDS}, got {keras_backends!r}")
     chosen = SIZES if sizes is None else sizes
     for label, (total, n) in chosen.items():
         if total < 2 or n < 2:
@@ -597,8 +607,8 @@ def run(
         from ivyplug.benchmarks import lamb_keras_job
 
         keras_config = {**config, "steps": 5 if quick else 30}
-        results["keras"] = _run_keras_child(keras_config, CHILD_TIMEOUT_S[quick])
-        results["keras_targets"] = lamb_keras_job.targets(results["keras"])
+        results["keras"] = {b: _run_keras_child(keras_config, CHILD_TIMEOUT_S[quick], b) for b in keras_backends}
+        results["keras_targets"] = {b: lamb_keras_job.targets(child) for b, child in results["keras"].items()}
     results["loadavg_after"] = os.getloadavg()
     return results
 
@@ -682,8 +692,9 @@ def format_table(results: dict[str, Any]) -> str:
     if "keras" in results:
         from ivyplug.benchmarks import lamb_keras_job
 
-        lines.append("")
-        lines.append(lamb_keras_job.format_table(results["keras"], results["keras_targets"]))
+        for backend, child in results["keras"].items():
+            lines.append("")
+            lines.append(lamb_keras_job.format_table(child, results["keras_targets"][backend]))
     return "\n".join(lines)
 
 

@@ -1,18 +1,25 @@
 """Child process of ``ivyplug bench lamb --keras``: ivyplug's Keras LAMB next to ``keras.optimizers.Lamb`` and
-``keras.optimizers.AdamW`` on the TensorFlow backend, with XLA compilation (``jit_compile``) off and on.
+``keras.optimizers.AdamW`` on one Keras backend (``KERAS_BACKEND``: TensorFlow, JAX or PyTorch; the parent starts
+one child per backend), with compilation (``jit_compile``) off and on where ``model.fit`` would use it.
 
 How it measures, and why:
 
 * The same variable set as the torch part (half square weights, half biases), one copy per optimizer, with fixed
-  random gradients; a step is ``optimizer.apply_gradients`` inside a ``tf.function`` (``jit_compile`` True or
-  False), which is what ``model.fit`` runs after the backward pass (``model.compile(jit_compile=...)``).
-* Every optimizer is built and its function traced (and compiled) before timing; then all of them step
+  random gradients. A step is what ``model.fit`` runs after the backward pass on that backend:
+  TensorFlow: ``optimizer.apply_gradients`` inside a ``tf.function`` (``jit_compile`` False or True, XLA);
+  JAX: ``optimizer.stateless_apply`` inside ``jax.jit`` (``jit_compile=True``, Keras's default there; the state
+  is donated as in Keras's trainer), or ``optimizer.apply`` eagerly (``jit_compile=False``);
+  PyTorch: ``optimizer.apply`` under ``torch.no_grad()`` (``jit_compile=False``, Keras's default there; the
+  ``torch.compile`` path is checked by the tests but not timed: its compile time is minutes at these sizes).
+  JAX steps end with ``block_until_ready``, so a step is timed to its last write.
+* Every optimizer is built and its step traced (and compiled) before timing; then all of them step
   interleaved, round-robin in a rotating order, so that foreign load hits them alike. Medians, and ratios to
   Keras's ``Lamb`` and ``AdamW`` with the same ``jit_compile``, come from the same rounds.
 * Weight decay 0.01 for all three: inside LAMB's trust-ratio update for ivyplug's LAMB (as in the paper), Keras's
   decoupled decay for its ``Lamb`` and ``AdamW``. ivyplug's LAMB also checks every step for non-finite gradients
   (a global-norm pass Keras's ``Lamb`` does not make) and clips its trust ratio.
-* TensorFlow's intra- and inter-op pools get the benchmark's thread count (2 unless ``IVYPLUG_BENCH_THREADS``).
+* The backend's thread pools get the benchmark's thread count (2 unless ``IVYPLUG_BENCH_THREADS``): TensorFlow's
+  intra- and inter-op pools, torch's ``set_num_threads``; XLA on CPU (JAX) takes its own.
 """
 
 from __future__ import annotations
@@ -43,42 +50,81 @@ def _factories() -> dict[str, Callable[[], Any]]:
     }
 
 
+#: The ``jit_compile`` settings timed per backend (see the module docstring).
+JIT_SETTINGS: dict[str, tuple[bool, ...]] = {"tensorflow": (False, True), "jax": (False, True), "torch": (False,)}
+
+
 def _variable_set(total: int, n_tensors: int, seed: int) -> tuple[list[Any], list[Any]]:
-    """NumPy initial values and TensorFlow gradients shaped like the torch part's parameters."""
+    """NumPy initial values and gradients (backend tensors) shaped like the torch part's parameters."""
+    import keras
     import numpy as np
-    import tensorflow as tf
 
     n_weights = max(1, n_tensors // 2)
     side = max(1, round((total / n_weights) ** 0.5))
     rng = np.random.default_rng(seed)
     shapes = [shape for _ in range(n_weights) for shape in ((side, side), (side,))]
     values = [(rng.standard_normal(shape) * 0.02).astype("float32") for shape in shapes]
-    grads = [tf.constant((rng.standard_normal(shape) * 1e-3).astype("float32")) for shape in shapes]
+    grads = [keras.ops.convert_to_tensor((rng.standard_normal(shape) * 1e-3).astype("float32")) for shape in shapes]
     return values, grads
 
 
 def _stepper(factory: Callable[[], Any], values: list[Any], grads: list[Any], jit: bool) -> Callable[[], None]:
-    """A built optimizer over its own variables, and its traced (and compiled) step."""
+    """A built optimizer over its own variables, and its traced (and compiled) step on this backend."""
     import keras
-    import tensorflow as tf
 
     variables = [keras.Variable(v) for v in values]
     optimizer = factory()
     optimizer.build(variables)
+    backend = keras.backend.backend()
+    step: Callable[[], None]
+    if backend == "tensorflow":
+        import tensorflow as tf
 
-    @tf.function(jit_compile=jit, reduce_retracing=True)
-    def step(gs: list[Any]) -> None:
-        optimizer.apply_gradients(zip(gs, variables, strict=True))
+        @tf.function(jit_compile=jit, reduce_retracing=True)
+        def tf_step(gs: list[Any]) -> None:
+            optimizer.apply_gradients(zip(gs, variables, strict=True))
 
-    step(grads)  # trace and compile outside the timed rounds
-    return lambda: step(grads)
+        step = lambda: tf_step(grads)
+    elif backend == "jax" and jit:
+        import jax
+
+        stateless = jax.jit(lambda ov, gs, tv: optimizer.stateless_apply(ov, gs, tv), donate_argnums=(0, 2))
+        state = [[v.value for v in variables], [v.value for v in optimizer.variables]]
+
+        def jax_step() -> None:
+            state[0], state[1] = stateless(state[1], grads, state[0])
+            jax.block_until_ready(state[0])
+
+        step = jax_step
+    elif backend == "jax":
+        import jax
+
+        def eager_step() -> None:
+            optimizer.apply(grads, variables)
+            jax.block_until_ready(variables[-1].value)
+
+        step = eager_step
+    elif backend == "torch" and not jit:
+        import torch
+
+        def torch_step() -> None:
+            with torch.no_grad():
+                optimizer.apply(grads, variables)
+
+        step = torch_step
+    else:
+        raise ValueError(f"jit_compile={jit} is not timed on the {backend} backend")
+    step()  # trace and compile outside the timed rounds
+    return step
 
 
 def _measure_size(label: str, total: int, n_tensors: int, config: dict[str, Any]) -> dict[str, Any]:
     values, grads = _variable_set(total, n_tensors, seed=0)
     steppers: dict[str, Callable[[], None]] = {}
     rows: dict[str, dict[str, Any]] = {}
-    for jit in (False, True):
+    import keras
+
+    for jit in JIT_SETTINGS[keras.backend.backend()]:
         for name, factory in _factories().items():
             key = f"{name} jit_compile={jit}"
             rows[key] = {"name": name, "jit_compile": jit}
@@ -121,27 +167,43 @@ def _measure_size(label: str, total: int, n_tensors: int, config: dict[str, Any]
 
 
 def measure(config: dict[str, Any]) -> dict[str, Any]:
-    """Every size of ``config``, in this process (normally a fresh one: see :func:`ivyplug.benchmarks.lamb.run`)."""
+    """Every size of ``config`` on the backend ``KERAS_BACKEND`` names, in this process (normally a fresh one:
+    see :func:`ivyplug.benchmarks.lamb.run`)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import tensorflow as tf
-
     threads = int(config.get("threads") or 0)
-    if threads:
-        try:
-            tf.config.threading.set_intra_op_parallelism_threads(threads)
-            tf.config.threading.set_inter_op_parallelism_threads(threads)
-        except RuntimeError:  # TensorFlow already initialised in this process (the in-process smoke test)
-            pass
-    tf.get_logger().setLevel("ERROR")
+    backend = os.environ["KERAS_BACKEND"]
+    versions: dict[str, str] = {}
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if threads:
+            try:
+                tf.config.threading.set_intra_op_parallelism_threads(threads)
+                tf.config.threading.set_inter_op_parallelism_threads(threads)
+            except RuntimeError:  # TensorFlow already initialised in this process (the in-process smoke test)
+                pass
+        tf.get_logger().setLevel("ERROR")
+        versions["tensorflow"] = tf.__version__
+    elif backend == "torch":
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        versions["torch"] = torch.__version__.split("+")[0]
+    elif backend == "jax":
+        import jax
+
+        versions["jax"] = jax.__version__
     import keras
 
-    if keras.backend.backend() != "tensorflow":
-        raise RuntimeError(f"the Keras LAMB benchmark needs KERAS_BACKEND=tensorflow, got {keras.backend.backend()}")
+    if keras.backend.backend() != backend:
+        raise RuntimeError(f"Keras runs on {keras.backend.backend()}, not KERAS_BACKEND={backend}: import order")
     load_before = os.getloadavg()
     sizes = [_measure_size(label, total, n, config) for label, (total, n) in config["sizes"]]
     return {
-        "tensorflow": tf.__version__,
+        "backend": backend,
+        "versions": versions,
         "keras": keras.__version__,
         "threads": threads or None,
         "loadavg_before": load_before,
@@ -163,8 +225,10 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
 
 def format_table(results: dict[str, Any], target: dict[str, Any]) -> str:
     """A markdown table per size, and the target line."""
+    backend = results.get("backend", "tensorflow")
+    versions = ", ".join(f"{k} {v}" for k, v in results.get("versions", {}).items())
     lines = [
-        f"### Keras (TensorFlow {results['tensorflow']}, Keras {results['keras']}, {results['threads']} threads)",
+        f"### Keras on {backend} ({versions}, Keras {results['keras']}, {results['threads']} threads)",
         f"load average before {'/'.join(f'{x:.2f}' for x in results['loadavg_before'])}, "
         f"after {'/'.join(f'{x:.2f}' for x in results['loadavg_after'])}",
     ]
@@ -186,7 +250,7 @@ def format_table(results: dict[str, Any], target: dict[str, Any]) -> str:
     ratios = ", ".join(f"jit_compile={k}: {v:.2f}" for k, v in target["ivyplug_vs_keras_lamb"].items())
     lines += [
         "",
-        f"target at {target['size']}: ivyplug LAMB / Keras Lamb ({ratios}) <= {TARGET_VS_KERAS_LAMB}: "
+        f"target on {backend} at {target['size']}: ivyplug LAMB / Keras Lamb ({ratios}) <= {TARGET_VS_KERAS_LAMB}: "
         f"{'met' if target['met'] else 'NOT met'}",
     ]
     return "\n".join(lines)

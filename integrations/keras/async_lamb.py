@@ -14,6 +14,11 @@ per worker, and mirrors the model's trainable variables (and float non-trainable
 CPU torch tensors. Within a worker any tf.distribute strategy may hold the variables: the callback reads
 and assigns them in cross-replica context. Without the callback, AsyncLAMB is LAMB.
 
+Every Keras backend: the callback reads and writes the variables through NumPy. On JAX, whose ``fit`` trains
+on a state tuple and writes it to the variables only at the epoch's end, the callback first asks the model
+to write its state back (``jax_state_sync``), which also makes the next step start from the variables as the
+exchange left them.
+
 Where the workers meet: before validation inside ``fit`` (``on_test_begin``) and at the end of ``fit``
 every worker flushes its delta and pulls, so validation and the returned model use the global copy. In
 sync mode every exchange is a step of all workers together: give them the same steps per epoch.
@@ -215,7 +220,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         params = list(self.model.trainable_variables)
         buffers = [v for v in self.model.non_trainable_variables if np.issubdtype(np.dtype(v.dtype), np.floating)]
         self._variables = params + buffers
-        self._tensors = [torch.tensor(np.asarray(v.numpy(), dtype=np.float32)) for v in self._variables]
+        self._tensors = [torch.tensor(_to_numpy(v)) for v in self._variables]
         named = [(f"{i}:{v.path}", t) for i, (v, t) in enumerate(zip(self._variables, self._tensors, strict=True))]
         self._delta = DeltaExchange(self._tensors[: len(params)], optimizer.merge_rate)
         averaged_over = world
@@ -247,16 +252,24 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
                 self._own_group = False
 
     # -- exchanges --------------------------------------------------------------------------------
+    def _sync_state(self) -> None:
+        """JAX: write the trainer's state to the variables (and make its next step read them); else nothing."""
+        sync = getattr(self.model, "jax_state_sync", None)
+        if callable(sync):
+            sync()
+
     def _read_in(self) -> None:
         import torch
 
+        self._sync_state()
         with torch.no_grad():
             for v, t in zip(self._variables, self._tensors, strict=True):
-                t.copy_(torch.from_numpy(np.asarray(v.numpy(), dtype=np.float32)))
+                t.copy_(torch.from_numpy(_to_numpy(v)))
 
     def _write_back(self) -> None:
+        self._sync_state()
         for v, t in zip(self._variables, self._tensors, strict=True):
-            v.assign(t.numpy().astype(np.dtype(v.dtype)))
+            v.assign(t.numpy().astype(keras.backend.standardize_dtype(v.dtype)))
 
     def _exchange(self) -> None:
         self._read_in()
@@ -282,6 +295,11 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._in_fit and self.client is not None:  # validation inside fit sees the global model
             self._meet()
+
+
+def _to_numpy(variable: Any) -> np.ndarray:
+    """A variable's value as float32 NumPy, on any backend."""
+    return np.asarray(keras.ops.convert_to_numpy(variable), dtype=np.float32)
 
 
 # Keras may have been imported for the first time by this module, before AsyncLAMB existed: the registration

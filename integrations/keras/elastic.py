@@ -22,6 +22,12 @@ Why ``tf.data`` and not an infinite ``keras.utils.PyDataset``: Keras turns a PyD
 (``max_queue_size``, 10 by default) makes the read-ahead large and the generator runs in a Python
 thread. The graph pipeline here has no autotuned prefetch, so its read-ahead stays small and bounded.
 
+Every Keras backend: :meth:`ElasticDataset.tf_dataset` feeds TensorFlow (any ``tf.distribute`` strategy)
+and JAX, whose trainer reads ``tf.data`` input as NumPy; :meth:`ElasticDataset.py_dataset` is a
+``keras.utils.PyDataset`` over the same schedule (batch ``k`` from NumPy indexing, no ``tf.data``), for
+PyTorch or any backend. Both feed the same samples in the same order; TensorFlow stays a dependency of
+this class on every backend (the per-pass permutation is TensorFlow's stateless shuffle).
+
 Prefetch lag: the distributed iterator reads a few batches ahead of the model (measured here: 1-2 under
 MirroredStrategy on 2 logical CPUs). A new batch size may therefore only be scheduled at a step at least
 :attr:`ElasticDataset.lag` steps after the last consumed one (``earliest_change_step``); batches already
@@ -103,6 +109,8 @@ class ElasticDataset:
         self._segments: list[Segment] = []
         self._table: tf.Variable | None = None
         self._produced: tf.Variable | None = None
+        self._py_produced = -1  # the last batch a py_dataset() handed out (-1: none)
+        self._permutations: dict[int, np.ndarray] = {}  # pass -> order, for the NumPy indices
         self._check_batch_size(batch_size)
         self._segments = [Segment(0, 0, int(batch_size))]
 
@@ -162,13 +170,12 @@ class ElasticDataset:
         last = self._segments[-1]
         if step < last.start_step:
             raise ValueError(f"at_step must be >= the latest scheduled change ({last.start_step}), got {step}")
-        if self._produced is not None:
-            produced = int(self._produced.numpy())
-            if step <= produced:
-                raise RuntimeError(
-                    f"the input pipeline already produced batch {produced} with the old batch size; schedule the "
-                    f"change at step > {produced} (earliest_change_step) or raise ElasticDataset(lag=...)"
-                )
+        produced = self.produced_step()
+        if step <= produced:
+            raise RuntimeError(
+                f"the input pipeline already produced batch {produced} with the old batch size; schedule the "
+                f"change at step > {produced} (earliest_change_step) or raise ElasticDataset(lag=...)"
+            )
         position = self.position_at(step)
         if step == last.start_step:
             self._segments[-1] = Segment(step, last.start_position, b)
@@ -188,7 +195,15 @@ class ElasticDataset:
         self._segments = [Segment(0, int(start_position), b)]
         if self._produced is not None:
             self._produced.assign(-1)
+        self._py_produced = -1
         self._push()
+
+    def produced_step(self) -> int:
+        """The last batch index an input pipeline of this dataset has produced (-1: none yet)."""
+        produced = self._py_produced
+        if self._produced is not None:
+            produced = max(produced, int(self._produced.numpy()))
+        return produced
 
     def _push(self) -> None:
         if self._table is not None:
@@ -206,6 +221,27 @@ class ElasticDataset:
             return order
         seed = tf.stack([tf.constant(self.seed, tf.int64), pass_index])
         return tf.random.experimental.stateless_shuffle(order, seed=seed)
+
+    def _cached_permutation(self, pass_index: int) -> np.ndarray:
+        order = self._permutations.get(pass_index)
+        if order is None:
+            if len(self._permutations) >= 4:  # a batch spans at most two passes: keep a few
+                self._permutations.pop(min(self._permutations))
+            order = self._permutations[pass_index] = self.permutation(pass_index)
+        return order
+
+    def numpy_indices(self, step: int, replica: int = 0, num_replicas: int = 1) -> np.ndarray:
+        """:meth:`indices` computed in NumPy from the schedule (one permutation per pass, cached)."""
+        seg = self._segment_at(int(step))
+        share = seg.batch_size // num_replicas
+        first = seg.start_position + (int(step) - seg.start_step) * seg.batch_size + replica * share
+        positions = first + np.arange(share, dtype=np.int64)
+        passes, offsets = np.divmod(positions, self.num_samples)
+        out = np.empty(share, dtype=np.int64)
+        for p in np.unique(passes):
+            mask = passes == p
+            out[mask] = self._cached_permutation(int(p))[offsets[mask]]
+        return out
 
     def indices(self, step: int, replica: int = 0, num_replicas: int = 1) -> np.ndarray:
         """Sample indices of replica ``replica``'s slice of batch ``step`` (what the pipeline feeds it)."""
@@ -262,6 +298,37 @@ class ElasticDataset:
         options.autotune.enabled = False
         options.experimental_optimization.inject_prefetch = False
         return tf.data.Dataset.counter().map(element).with_options(options)
+
+    def py_dataset(self) -> Any:
+        """The infinite schedule as a ``keras.utils.PyDataset`` of global batches (any backend; use with
+        ``model.fit(..., steps_per_epoch=...)``). One Keras worker thread, no multiprocessing: on JAX and
+        PyTorch Keras reads it batch by batch, one batch ahead of the model at most. TensorFlow wraps it in a
+        prefetching ``tf.data`` pipeline that reads further ahead (changes then land later, at the step
+        :meth:`set_batch_size` was given after :meth:`produced_step`): prefer :meth:`tf_dataset` there."""
+        import keras
+
+        dataset = self
+
+        class _ElasticPyDataset(keras.utils.PyDataset):  # type: ignore[misc,name-defined]
+            def __init__(self) -> None:
+                super().__init__(workers=1, use_multiprocessing=False)
+
+            @property
+            def num_batches(self) -> int | None:
+                return None  # infinite: fit's steps_per_epoch ends an epoch
+
+            def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+                if dataset.num_replicas != 1:
+                    raise ValueError(
+                        "ElasticDataset.py_dataset feeds global batches: use tf_dataset(strategy) under a "
+                        f"tf.distribute strategy ({dataset.num_replicas} replicas)"
+                    )
+                step = int(index)
+                dataset._py_produced = max(dataset._py_produced, step)
+                idx = dataset.numpy_indices(step)
+                return dataset.x[idx], dataset.y[idx]
+
+        return _ElasticPyDataset()
 
     def tf_dataset(self, strategy: Any = None) -> Any:
         """The infinite pipeline for ``model.fit(..., steps_per_epoch=...)``.

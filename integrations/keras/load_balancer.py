@@ -41,6 +41,14 @@ The decisions are ivyplug's framework-free core (:mod:`ivyplug.load`): probes po
   Lightning twin logs). With ``log_every_n_steps`` the latest readings are also added to the batch logs every n
   steps.
 
+Keras backends: everything above works on TensorFlow; on JAX and PyTorch the model is one replica (their
+trainers take the global batch in one process) and the batch size, the learning rate (on JAX written into the
+trainer's state: ``model.jax_state_sync()`` first, so the next step reads it), the probes and the metrics work the
+same. What cannot apply there warns once and says why: the gradient noise scale (the per-replica gradients are not
+visible, so B does not grow under ``goodput=True``), sharing readings between JAX processes (each decides from its
+own; under ``torchrun`` on PyTorch one ``all_reduce`` per epoch shares them), and the micro-batch split below (an
+out-of-memory error of the backend is counted and stops ``fit`` as an ``OutOfMemoryRecoveryError`` that says why).
+
 Out of memory (:class:`ElasticDataset` input, Keras 3.15, TensorFlow backend): the callback wraps
 ``model.train_function`` for the duration of ``fit`` (installed in ``on_train_begin``, which Keras calls
 right after ``make_train_function``; removed in ``on_train_end``). A ``tf.errors.ResourceExhaustedError``
@@ -138,6 +146,25 @@ def _probe_config(spec: str | Mapping[str, Any] | Probe) -> str | dict[str, Any]
     raise ValueError(
         f"probe {spec!r} cannot be written to a config: pass probes by name or as {{'name': ..., **kwargs}} dicts"
     )
+
+
+def _backend() -> str:
+    """The Keras backend (``"tensorflow"``, ``"jax"``, ``"torch"``), fixed when Keras was imported."""
+    return str(keras.backend.backend())
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is the backend's out-of-memory error (TensorFlow, PyTorch or JAX/XLA)."""
+    if isinstance(exc, tf.errors.ResourceExhaustedError):
+        return True
+    backend = _backend()
+    if backend == "torch":
+        import torch
+
+        return isinstance(exc, torch.OutOfMemoryError)
+    if backend == "jax":
+        return type(exc).__name__ in ("XlaRuntimeError", "JaxRuntimeError") and "RESOURCE_EXHAUSTED" in str(exc)
+    return False
 
 
 def _inner_optimizer(model: Any) -> Any:
@@ -293,6 +320,7 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         self._watched: Any = None  # the optimizer whose gradient sum is watched
         self._noise_batch = 0  # the global batch of the steps summed in _noise_vars
         self._goodput_warned = False
+        self._warned: set[str] = set()  # keys of the once-per-callback warnings given
         self._step_walls: list[float] = []
         self._step_calls: list[float] = []
         self._batch_t = 0.0
@@ -341,10 +369,19 @@ class IvyLoadBalancer(keras.callbacks.Callback):
     # ----------------------------------------------------------------- helpers
     @property
     def strategy(self) -> Any:
-        return self.model.distribute_strategy
+        """The model's ``tf.distribute`` strategy on the TensorFlow backend; ``None`` on the others."""
+        return getattr(self.model, "distribute_strategy", None) if _backend() == "tensorflow" else None
 
     def _replicas(self) -> int:
-        return int(self.strategy.num_replicas_in_sync)
+        """Replicas that each get a slice of the global batch from the input pipeline (1 outside tf.distribute:
+        JAX's and PyTorch's trainers take the global batch in one process)."""
+        strategy = self.strategy
+        return 1 if strategy is None else int(strategy.num_replicas_in_sync)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def _round(self, batch_size: int) -> int:
         assert self.dataset is not None
@@ -368,6 +405,11 @@ class IvyLoadBalancer(keras.callbacks.Callback):
     def _apply_lr(self, factor: float) -> None:
         if factor == 1.0:
             return
+        sync = getattr(self.model, "jax_state_sync", None)
+        if callable(sync):
+            # JAX trains on a state tuple outside the variables: write it back first, which also makes the
+            # next step read its state from the variables again, so the assignment below takes effect.
+            sync()
         variable = _inner_optimizer(self.model).learning_rate
         variable.assign(self._current_lr() * factor)
         self.lr_factor *= factor
@@ -506,14 +548,6 @@ class IvyLoadBalancer(keras.callbacks.Callback):
     # ----------------------------------------------------------------- decisions
     def _exchange(self, local: LoadObservation) -> list[LoadObservation]:
         """Every worker's observation, identical on every worker (one SUM reduce per epoch)."""
-        strategy = self.strategy
-        replicas = int(strategy.num_replicas_in_sync)
-        if replicas == 1:  # the default strategy has no worker_devices
-            return [local]
-        per_worker = len(strategy.extended.worker_devices)
-        workers = replicas // per_worker
-        if workers == 1:  # one process (single device, MirroredStrategy): nothing to agree on
-            return [local]
         row = np.array(
             [
                 local.utilization or 0.0,
@@ -524,6 +558,16 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             ],
             dtype=np.float32,
         )
+        strategy = self.strategy
+        if strategy is None:
+            return self._exchange_other_backend(local, row)
+        replicas = int(strategy.num_replicas_in_sync)
+        if replicas == 1:  # the default strategy has no worker_devices
+            return [local]
+        per_worker = len(strategy.extended.worker_devices)
+        workers = replicas // per_worker
+        if workers == 1:  # one process (single device, MirroredStrategy): nothing to agree on
+            return [local]
 
         def slot(context: Any) -> tf.Tensor:
             vector = np.zeros(workers * _SLOT, dtype=np.float32)
@@ -535,14 +579,36 @@ class IvyLoadBalancer(keras.callbacks.Callback):
 
         values = strategy.experimental_distribute_values_from_function(slot)
         total = np.asarray(strategy.reduce("SUM", values, axis=None)).reshape(workers, _SLOT)
-        return [
-            LoadObservation(
-                utilization=float(u) if uk else None,
-                memory_fraction=float(m) if mk else None,
-                oom_count=round(float(o)),
-            )
-            for u, uk, m, mk, o in total
-        ]
+        return _observations(total)
+
+    def _exchange_other_backend(self, local: LoadObservation, row: np.ndarray) -> list[LoadObservation]:
+        """PyTorch under torchrun: one gloo/NCCL ``all_reduce`` (SUM) of the workers' slots. JAX with several
+        processes: not exchanged (warned once), each process decides from its own readings."""
+        backend = _backend()
+        if backend == "torch":
+            import torch
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+                return [local]
+            workers, rank = dist.get_world_size(), dist.get_rank()
+            vector = torch.zeros(workers * _SLOT, dtype=torch.float64)
+            vector[rank * _SLOT : (rank + 1) * _SLOT] = torch.from_numpy(row.astype(np.float64))
+            if dist.get_backend() == "nccl":
+                vector = vector.cuda()
+            dist.all_reduce(vector)
+            return _observations(vector.cpu().numpy().reshape(workers, _SLOT))
+        if backend == "jax":
+            import jax
+
+            if jax.process_count() > 1:
+                self._warn_once(
+                    "jax_exchange",
+                    f"IvyLoadBalancer: {jax.process_count()} JAX processes do not exchange their load readings "
+                    "(implemented for tf.distribute on TensorFlow and torch.distributed on PyTorch): each process "
+                    "decides from its own, so their batch-size decisions may differ",
+                )
+        return [local]
 
     def _decide(self, epoch: int, observation: LoadObservation) -> None:
         assert self.dataset is not None and self.policy is not None
@@ -558,7 +624,8 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         new = self._round(decision.batch_size)
         if not decision.changed or new == old:
             return
-        at = self.dataset.earliest_change_step(self.step)
+        # Not a batch the pipeline has produced already (a PyDataset may read further ahead than ``lag``).
+        at = max(self.dataset.earliest_change_step(self.step), self.dataset.produced_step() + 1)
         every = int(getattr(self.model, "steps_per_execution", 1) or 1)
         at = math.ceil(at / every) * every
         self.dataset.set_batch_size(new, at_step=at)
@@ -574,7 +641,12 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         strategy = self.strategy
         replicas = self._replicas()
         self.goodput_unavailable = None
-        if replicas == 1:
+        if strategy is None:
+            self.goodput_unavailable = (
+                f"on the {_backend()} backend the train step's per-replica gradients are not visible to a callback "
+                "(the noise scale needs the gradient at two batch sizes)"
+            )
+        elif replicas == 1:
             self.goodput_unavailable = "one replica sees its gradient at one batch size only, the noise scale needs two"
         elif self._workers() > 1:
             self.goodput_unavailable = (
@@ -666,6 +738,8 @@ class IvyLoadBalancer(keras.callbacks.Callback):
     # ----------------------------------------------------------------- out of memory
     def _workers(self) -> int:
         strategy = self.strategy
+        if strategy is None:
+            return 1  # the step guard's concern (tf.distribute's collectives) does not arise
         replicas = int(strategy.num_replicas_in_sync)
         return 1 if replicas == 1 else replicas // len(strategy.extended.worker_devices)
 
@@ -685,12 +759,19 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             )
         self._guard_reason = reason
         self._own_batches = False
-        self._iterations = int(np.asarray(_inner_optimizer(model).iterations))
+        self._iterations = int(keras.ops.convert_to_numpy(_inner_optimizer(model).iterations))
+        if reason is not None and _backend() != "tensorflow":
+            self._warn_once(
+                "oom_split",
+                f"IvyLoadBalancer(oom_recovery=True): {reason}; on {_backend()!r} an out-of-memory error is counted "
+                "and stops fit as an OutOfMemoryRecoveryError (the batch size, learning rate, probes and metrics "
+                "work as on TensorFlow)",
+            )
         if reason is None and self._micro is None:
             self._micro = MicroBatchStep(model)
 
-        def guarded(iterator: Any) -> Any:
-            return self._guarded_step(original, iterator)
+        def guarded(*args: Any) -> Any:  # TensorFlow and PyTorch pass the iterator; JAX (state, iterator)
+            return self._guarded_step(original, *args)
 
         guarded._ivyplug_unguarded = original  # type: ignore[attr-defined]
         self._unguarded = original
@@ -713,7 +794,7 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         split = self._split
         return split[1] if split is not None and self.dataset.batch_size_at(step) >= split[0] else None
 
-    def _guarded_step(self, original: Any, iterator: Any) -> Any:
+    def _guarded_step(self, original: Any, *args: Any) -> Any:
         step = self.step
         assert self.dataset is not None
         if self._own_batches:
@@ -722,10 +803,12 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             # from the ElasticDataset for the rest of this fit, whole or split as a batch this large needs.
             return self._split_step(self._rebuild_batch(step), step, self._known_split(step) or 1)
         try:
-            logs = original(iterator)
+            logs = original(*args)
             self._iterations += 1
             return logs
-        except tf.errors.ResourceExhaustedError as exc:
+        except Exception as exc:
+            if not _is_out_of_memory(exc):
+                raise
             self._record_oom(self.dataset.batch_size_at(step))
             if self._guard_reason is not None:
                 raise OutOfMemoryRecoveryError(
@@ -783,3 +866,15 @@ def _combine(workers: list[LoadObservation]) -> LoadObservation:
     from ivyplug.load import combine_observations
 
     return combine_observations(workers)
+
+
+def _observations(total: np.ndarray) -> list[LoadObservation]:
+    """One :class:`LoadObservation` per row of a summed ``(workers, _SLOT)`` table."""
+    return [
+        LoadObservation(
+            utilization=float(u) if uk else None,
+            memory_fraction=float(m) if mk else None,
+            oom_count=round(float(o)),
+        )
+        for u, uk, m, mk, o in total
+    ]

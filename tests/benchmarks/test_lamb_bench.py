@@ -86,15 +86,15 @@ def test_quick_keras_run_reports_three_optimizers_with_and_without_xla(monkeypat
     def in_process(config: dict[str, Any], extra_env: dict[str, str], timeout: float) -> dict[str, Any]:
         return json.loads(json.dumps(bench._child(config)))
 
-    def keras_in_process(config: dict[str, Any], timeout: float) -> dict[str, Any]:
-        assert timeout > 0
+    def keras_in_process(config: dict[str, Any], timeout: float, backend: str) -> dict[str, Any]:
+        assert timeout > 0 and backend == "tensorflow"  # this process's Keras runs on TensorFlow
         return json.loads(json.dumps(lamb_keras_job.measure(config)))
 
     monkeypatch.setattr(bench, "_run_child", in_process)
     monkeypatch.setattr(bench, "_run_keras_child", keras_in_process)
-    results = bench.run(quick=True, sizes={"tiny": (400, 4)}, threads=1, keras=True)
+    results = bench.run(quick=True, sizes={"tiny": (400, 4)}, threads=1, keras=True, keras_backends=("tensorflow",))
     json.dumps(results)
-    (size,) = results["keras"]["sizes"]
+    (size,) = results["keras"]["tensorflow"]["sizes"]
     torch_size = results["settings"]["default"]["sizes"][0]
     assert size["tensors"] == 4 and size["params"] == torch_size["params"]  # the same variable set as the torch part
     rows = {(r["name"], r["jit_compile"]) for r in size["rows"]}
@@ -104,10 +104,30 @@ def test_quick_keras_run_reports_three_optimizers_with_and_without_xla(monkeypat
         assert row["median_ms"] > 0 and math.isfinite(row["ratio_vs_keras_lamb"])
         if row["name"] == lamb_keras_job.KERAS_LAMB:
             assert row["ratio_vs_keras_lamb"] == 1.0
-    target = results["keras_targets"]
+    target = results["keras_targets"]["tensorflow"]
     assert set(target["ivyplug_vs_keras_lamb"]) == {"False", "True"} and isinstance(target["met"], bool)
     table = bench.format_table(results)
-    assert "### Keras" in table and "× Keras Lamb" in table
+    assert "### Keras on tensorflow" in table and "× Keras Lamb" in table
+    with pytest.raises(ValueError, match="keras_backends"):
+        bench.run(quick=True, sizes={"tiny": (400, 4)}, threads=1, keras=True, keras_backends=("numpy",))
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_keras_child_times_the_three_optimizers_on_jax_and_torch(backend: str) -> None:
+    """The ``--keras`` child on another Keras backend (a fresh interpreter, as ``run`` starts it)."""
+    pytest.importorskip("keras")
+    pytest.importorskip(backend)
+    from ivyplug.benchmarks import lamb_keras_job
+
+    config = {"sizes": [["tiny", [400, 4]]], "warmup": 1, "warmup_s": 0.0, "steps": 3, "threads": 1}
+    child = bench._run_keras_child(config, 180.0, backend)
+    assert child["backend"] == backend and backend in child["versions"]
+    (size,) = child["sizes"]
+    jits = lamb_keras_job.JIT_SETTINGS[backend]
+    names = (lamb_keras_job.IVYPLUG, lamb_keras_job.KERAS_LAMB, lamb_keras_job.KERAS_ADAMW)
+    assert {(r["name"], r["jit_compile"]) for r in size["rows"]} == {(n, j) for n in names for j in jits}
+    assert all(r["median_ms"] > 0 for r in size["rows"])
+    assert f"### Keras on {backend}" in lamb_keras_job.format_table(child, lamb_keras_job.targets(child))
 
 
 def test_bench_command_passes_keras_to_lamb_only(monkeypatch: pytest.MonkeyPatch) -> None:

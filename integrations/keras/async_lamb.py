@@ -43,7 +43,9 @@ class AsyncLAMB(LAMB):
     """LAMB (Keras) whose workers average their progress through the PS every ``sync_every`` steps.
 
     Args: :class:`~ivyplug.integrations.keras.LAMB`'s, plus ``sync_every`` (local steps between two
-    exchanges, >= 1), ``merge_rate`` (``outer="average"``; ``None``: 1.0 in sync mode, 1/num_workers in
+    exchanges, >= 1, or ``"auto"``: chosen by each worker from its measured step and exchange times, re-chosen
+    at every epoch's end), ``overlap`` (run each exchange in the background while local steps go on; the rule
+    is ``ivyplug.ps.delta_exchange``'s), ``merge_rate (``outer="average"``; ``None``: 1.0 in sync mode, 1/num_workers in
     async/ssp) and the outer optimizer's ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_momentum_every``
     (names, defaults and meaning as for :class:`ivyplug.optim.AsyncLAMB`; ``outer="lamb"`` clips its trust
     ratio to ``max_trust_ratio``). The exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
@@ -63,7 +65,8 @@ class AsyncLAMB(LAMB):
     def __init__(
         self,
         *args: Any,
-        sync_every: int = 4,
+        sync_every: int | str = 4,
+        overlap: bool = False,
         merge_rate: float | None = None,
         outer: str = "average",
         outer_lr: float | None = None,
@@ -73,13 +76,16 @@ class AsyncLAMB(LAMB):
     ) -> None:
         # Imported here, not at the top: Keras imports this module to register the class (see
         # .autoregister), and ivyplug.ps.delta_exchange loads torch.
-        from ivyplug.ps.delta_exchange import OuterRule, check_merge_rate, check_sync_every
+        from ivyplug.ps.delta_exchange import OuterRule, check_merge_rate, check_overlap
+        from ivyplug.ps.sync_period import check_sync_period
 
-        sync_every = check_sync_every(sync_every)
+        sync_every = check_sync_period(sync_every)
+        overlap = check_overlap(overlap)
         merge_rate = check_merge_rate(merge_rate)
         rule = OuterRule(outer, merge_rate, outer_lr, outer_momentum, outer_momentum_every)  # checked before fit
         super().__init__(*args, **kwargs)
         self.sync_every = sync_every
+        self.overlap = overlap
         self.merge_rate = merge_rate
         self.outer = rule.outer
         self.outer_lr = rule.outer_lr
@@ -104,6 +110,7 @@ class AsyncLAMB(LAMB):
         config.update(
             {
                 "sync_every": self.sync_every,
+                "overlap": self.overlap,
                 "merge_rate": self.merge_rate,
                 "outer": self.outer,
                 "outer_lr": self.outer_lr,
@@ -127,9 +134,13 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             the servers' ``--workers`` slots set the default merge rate (1/slots in async/ssp).
         token: the secret the servers were started with (default ``$IVYPLUG_TOKEN``).
         wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: deltas (with error feedback) and pulled values
-            cross the wire in bf16, half the bytes (also ``IVYPLUG_PS_WIRE_DTYPE``, ``[tool.ivyplug.ps]``).
+            cross the wire in bf16, half the bytes (also ``IVYPLUG_PS_WIRE_DTYPE``, ``[tool.ivyplug.ps]``);
+            ``"int8"`` / ``"int4"``: deltas block-quantized with error feedback, pulls in bf16.
         shared_memory: ``True`` (default): deltas and pulls between workers on one host travel in shared
             memory, only their headers over gloo; ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY``).
+
+    At each epoch's end it adds ``ivy/rank{r}/sync_every`` (the worker's current local steps per exchange) and,
+    with ``overlap``, ``ivy/rank{r}/overlap_wait_s`` to ``fit``'s logs, as the Lightning strategy logs them.
     """
 
     def __init__(
@@ -169,6 +180,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._variables: list[Any] = []
         self._tensors: list[Any] = []
         self._local = 0
+        self._period: Any = None  # the current local steps per exchange (ivyplug.ps.sync_period.SyncPeriod)
+        self._overlap = False
         self._own_group = False
         self._in_fit = False
 
@@ -212,6 +225,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
 
         from ivyplug.ps import PSClient
         from ivyplug.ps.delta_exchange import DeltaExchange
+        from ivyplug.ps.sync_period import SyncPeriod
 
         optimizer = self.model.optimizer
         if not isinstance(optimizer, AsyncLAMB):
@@ -222,18 +236,22 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._variables = params + buffers
         self._tensors = [torch.tensor(_to_numpy(v)) for v in self._variables]
         named = [(f"{i}:{v.path}", t) for i, (v, t) in enumerate(zip(self._variables, self._tensors, strict=True))]
-        self._delta = DeltaExchange(self._tensors[: len(params)], optimizer.merge_rate)
+        self._overlap = bool(getattr(optimizer, "overlap", False))
+        self._delta = DeltaExchange(self._tensors[: len(params)], optimizer.merge_rate, overlap=self._overlap)
         averaged_over = world
         if self.config.servers is not None:  # the servers' worker slots (1 if a job of its own sets them)
             from ivyplug.ps.service_link import worker_slots
 
             averaged_over = worker_slots(self.config) or 1
         outer = self._delta.outer_optimizer(self.config.mode, averaged_over, optimizer.outer_rule())
-        self.client = PSClient.start(self.config, named[: len(params)], named[len(params) :], optimizer=outer)
+        # with overlap the client holds shadow copies, which the background exchange writes
+        ps_params, ps_buffers = self._delta.ps_tensors(named[: len(params)], named[len(params) :])
+        self.client = PSClient.start(self.config, ps_params, ps_buffers, optimizer=outer)
         self.client.pull_initial()  # every worker starts from the servers' copy (worker 0's)
-        self._write_back()
         self._delta.attach(self.client)
+        self._write_back()
         self._local = 0
+        self._period = SyncPeriod(optimizer.sync_every)
         self._in_fit = True
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
@@ -272,25 +290,53 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             v.assign(t.numpy().astype(keras.backend.standardize_dtype(v.dtype)))
 
     def _exchange(self) -> None:
+        """Push the delta and continue from the pull (``overlap``: apply the exchange in flight, start this one)."""
         self._read_in()
-        self._delta.exchange(self._local)
+        self._period.exchange_started()
+        if self._overlap:
+            self._delta.start(self._local)
+        else:
+            self._delta.exchange(self._local)
+        self._period.exchange_ended()
         self._local = 0
         self._write_back()
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self.client is None:
             return
+        if self._overlap:
+            self._delta.raise_failed()  # an exchange that failed in the background stops fit here
         self._local += 1
-        if self._local >= self.model.optimizer.sync_every:
+        self._period.step_ended()
+        if self._local >= self._period.value:
             self._exchange()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Choose ``sync_every="auto"``'s period again from this epoch's times; log it (and the overlap wait)."""
+        if self.client is None or self._period is None:
+            return
+        self._period.retune()
+        if logs is not None:
+            rank = self.client.rank
+            logs[f"ivy/rank{rank}/sync_every"] = float(self._period.value)
+            if self._overlap:
+                logs[f"ivy/rank{rank}/overlap_wait_s"] = float(self._delta.wait_seconds)
 
     def _meet(self) -> None:
         """Flush this worker's delta, then every worker pulls the global copy (collective)."""
+        if self._overlap:  # the exchange in flight first: its pull plus the steps taken since
+            self._read_in()
+            self._delta.finish()
+            self._write_back()
         if self._local > 0:
             self._exchange()
+            if self._overlap:
+                self._delta.finish()  # nothing trained since the exchange's write-back: the tensors are current
+                self._write_back()
         self.client.sync()
+        self._delta.reset_snapshot()  # overlap: the pulled shadows become the variables' values
         self._write_back()
-        self._delta.reset_snapshot()
+        self._period.pause()  # what runs next (validation) is no local step
 
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._in_fit and self.client is not None:  # validation inside fit sees the global model

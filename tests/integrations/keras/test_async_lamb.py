@@ -37,6 +37,7 @@ def test_config_round_trip_and_bad_arguments() -> None:
     assert (again.sync_every, again.merge_rate, again.max_trust_ratio) == (3, 0.5, 5.0)
     with pytest.raises(ValueError, match="sync_every must be an int >= 1"):
         AsyncLAMB(sync_every=0)
+    assert again.overlap is False
     with pytest.raises(ValueError, match="merge_rate must be None or a finite number > 0"):
         AsyncLAMB(merge_rate=float("inf"))
     with pytest.raises(ValueError, match=r"PSConfig\.mode"):
@@ -69,20 +70,43 @@ def test_exchange_callback_refuses_another_optimizer() -> None:
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[AsyncLAMBExchange()])
 
 
-def test_one_worker_exchanges_every_h_steps_and_matches_lamb() -> None:
-    """One worker (merge rate 1): the exchanges change nothing but rounding; 5 steps/epoch, H = 2."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_worker_exchanges_every_h_steps_and_matches_lamb(overlap: bool) -> None:
+    """One worker (merge rate 1): the exchanges change nothing but rounding; 5 steps/epoch, H = 2. Overlapped,
+    each step's progress is still pushed once and kept once (x <- g + (x - x_sent) with g = x_sent here): a
+    lost or doubled step would move the weights far from LAMB's."""
     x, y = _data()
     plain = _model()
     plain.compile(optimizer=LAMB(learning_rate=0.02), loss="mse")
     plain.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     model = _model()
-    model.compile(optimizer=AsyncLAMB(learning_rate=0.02, sync_every=2), loss="mse")
+    model.compile(optimizer=AsyncLAMB(learning_rate=0.02, sync_every=2, overlap=overlap), loss="mse")
     exchange = AsyncLAMBExchange(mode="async")
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[exchange])
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[exchange])
     assert exchange.exchanges == 5  # steps 2, 4, 6, 8, 10
     assert exchange.client is None  # closed at the end of fit
     for a, b in zip(model.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    assert history.history["ivy/rank0/sync_every"] == [2.0, 2.0]  # the Lightning strategy's metric name
+    assert ("ivy/rank0/overlap_wait_s" in history.history) == overlap
+
+
+def test_sync_every_auto_is_chosen_from_the_measured_times_and_logged() -> None:
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=AsyncLAMB(learning_rate=0.02, sync_every="auto", overlap=True), loss="mse")
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(model.optimizer))
+    assert (again.sync_every, again.overlap) == ("auto", True)
+    exchange = AsyncLAMBExchange(mode="async")
+    history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, shuffle=False, callbacks=[exchange])
+    periods = history.history["ivy/rank0/sync_every"]
+    assert len(periods) == 3 and all(1 <= p <= 256 for p in periods), periods
+    assert exchange.exchanges >= 1
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    with pytest.raises(ValueError, match=r"sync_every must be an int >= 1 .* or 'auto'"):
+        AsyncLAMB(sync_every="never")
+    with pytest.raises(ValueError, match="overlap must be True or False"):
+        AsyncLAMB(overlap="yes")
 
 
 def test_mirrored_strategy_worker_exchanges_and_keeps_replicas_equal(mirrored: object) -> None:

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ivyplug.optim import LocalUpdates
-from ivyplug.ps import PSClient, PSConfig
+from ivyplug.ps import PSConfig
 from ivyplug.ps.wire_codec import BLOCK, BlockCodec
-from tests.ps.test_wire_dtype import _half_ulp_bf16, ref_bf16
+from tests.ps.test_wire_dtype import _half_ulp_bf16, _serve_run, ref_bf16
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: no OpenMP spin-waits
 
@@ -133,28 +133,7 @@ def test_the_option_is_accepted_and_refused_with_early_pushes(wire: str) -> None
         PSConfig(wire_dtype=wire, overlap_backward=True)
 
 
-# -- a real wire: a worker of this process against ivyplug serve ------------------------------------------
-def _serve_run(address: str, wire: str, init: torch.Tensor, grads: list[torch.Tensor]) -> dict[str, Any]:
-    """Join the serve, pull, push ``grads`` (SGD lr 1 on the server); the pulls, the buffer and the traffic."""
-    w = nn.Parameter(init.clone())
-    counter = torch.tensor([2**40 + 3], dtype=torch.int64)  # an integer buffer: must travel exactly
-    cfg = PSConfig(mode="async", servers=address, token="t0ken", wire_dtype=wire, timeout=60.0)
-    client = PSClient.start(cfg, [("w", w)], [("counter", counter)], torch.optim.SGD([w], lr=1.0))
-    try:
-        client.pull_initial()
-        before = client.metrics()
-        pulled = [w.detach().clone()]
-        for g in grads:
-            w.grad = g.clone()
-            client.step(1)
-            pulled.append(w.detach().clone())
-        after = client.metrics()
-    finally:
-        client.close()
-    traffic = {k: after[k] - before[k] for k in ("bytes_sent", "bytes_received")}
-    return {"pulled": pulled, "counter": int(counter), "traffic": traffic}
-
-
+# -- a real wire: a worker of this process against ivyplug serve (test_wire_dtype's _serve_run) ---------------
 @pytest.mark.timeout(120)
 def test_against_ivyplug_serve_the_server_applies_the_decoded_push_with_error_feedback() -> None:
     """An fp32 worker, then an int8 and an int4 worker continuing the job: the servers' master steps by exactly

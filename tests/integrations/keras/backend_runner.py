@@ -58,15 +58,18 @@ def _collect(proc: subprocess.Popen[str], backend: str, names: list[str], timeou
     return results
 
 
-def run_scenarios(backend: str, names: list[str], tmp: Path, timeout: float = 240.0) -> dict[str, Any]:
-    """``{name: {"result": ...} | {"error": traceback}}`` of each scenario, run on ``backend``."""
+def run_scenarios(
+    backend: str, names: list[str], tmp: Path, timeout: float = 240.0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``{name: {"result": ...} | {"error": traceback}}`` of each scenario, run on ``backend`` (``env``: more
+    environment for a fresh interpreter; TensorFlow then runs in one too)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "tensorflow":
+    if backend == "tensorflow" and not env:
         from tests.integrations.keras import backend_scenarios
 
         return backend_scenarios.run(names, str(tmp))
-    return _collect(_start(backend, names, tmp, {}), backend, names, timeout)
+    return _collect(_start(backend, names, tmp, env or {}), backend, names, timeout)
 
 
 class ScenarioRuns:

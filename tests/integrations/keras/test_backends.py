@@ -21,13 +21,8 @@ pytest.importorskip("jax")
 pytest.importorskip("torch")
 
 from tests.integrations.keras import backend_scenarios as sc
-from tests.integrations.keras.backend_runner import BACKENDS, ScenarioRuns, run_scenarios, run_workers
+from tests.integrations.keras.backend_runner import ScenarioRuns, run_scenarios, run_workers
 from tests.optim.reference import RefGroup, RefLamb
-
-
-@pytest.fixture(params=BACKENDS)
-def keras_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 @pytest.fixture(scope="module")

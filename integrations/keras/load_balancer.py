@@ -383,9 +383,21 @@ class IvyLoadBalancer(keras.callbacks.Callback):
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
+    def _batch_multiple(self) -> int:
+        """What every global batch size must be a multiple of: the replicas under ``tf.distribute``; on JAX under a
+        ``keras.distribution`` (``DataParallel``), the devices along its batch axis (the batch is sharded there)."""
+        if self.strategy is not None or _backend() != "jax":
+            return self._replicas()
+        distribution = keras.distribution.distribution()
+        mesh = getattr(distribution, "device_mesh", None)
+        axis = getattr(distribution, "batch_dim_name", None)
+        if mesh is None or axis not in tuple(mesh.axis_names):
+            return 1
+        return int(mesh.shape[list(mesh.axis_names).index(axis)])
+
     def _round(self, batch_size: int) -> int:
         assert self.dataset is not None
-        r = self._replicas()
+        r = self._batch_multiple()
         top = (self.dataset.num_samples // r) * r
         return max(r, min(top, (batch_size // r) * r))
 
@@ -394,7 +406,7 @@ class IvyLoadBalancer(keras.callbacks.Callback):
         if self._user_policy is not None:
             self.policy = self._user_policy
             return
-        low, high = default_batch_bounds(self.dataset.batch_size, self._replicas())
+        low, high = default_batch_bounds(self.dataset.batch_size, self._batch_multiple())
         low = self._round(self.min_batch_size if self.min_batch_size is not None else low)
         high = self._round(self.max_batch_size if self.max_batch_size is not None else max(high, low))
         self.policy = BatchSizePolicy(min(low, high), max(low, high), **self._policy_args)

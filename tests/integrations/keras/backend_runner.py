@@ -3,7 +3,8 @@
 Keras fixes its backend at import, and this test process imports it with TensorFlow, so JAX and PyTorch run
 in a fresh interpreter: one per backend for a whole batch of scenarios (the imports dominate the time), in
 a process group of its own that is killed on timeout (a hung collective or thread cannot outlive the test).
-TensorFlow runs the same functions in this process.
+TensorFlow runs the same functions in this process (in a fresh one too if this process's Keras was given
+another backend).
 """
 
 from __future__ import annotations
@@ -58,15 +59,25 @@ def _collect(proc: subprocess.Popen[str], backend: str, names: list[str], timeou
     return results
 
 
-def run_scenarios(backend: str, names: list[str], tmp: Path, timeout: float = 240.0) -> dict[str, Any]:
-    """``{name: {"result": ...} | {"error": traceback}}`` of each scenario, run on ``backend``."""
+def run_scenarios(
+    backend: str, names: list[str], tmp: Path, timeout: float = 240.0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``{name: {"result": ...} | {"error": traceback}}`` of each scenario, run on ``backend`` (``env``: more
+    environment for a fresh interpreter; TensorFlow then runs in one too)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "tensorflow":
+    if backend == "tensorflow" and not env and _in_process_keras() == "tensorflow":
         from tests.integrations.keras import backend_scenarios
 
         return backend_scenarios.run(names, str(tmp))
-    return _collect(_start(backend, names, tmp, {}), backend, names, timeout)
+    return _collect(_start(backend, names, tmp, env or {}), backend, names, timeout)
+
+
+def _in_process_keras() -> str:
+    """The backend of this process's Keras (TensorFlow unless the test run itself was given KERAS_BACKEND)."""
+    import keras
+
+    return str(keras.backend.backend())
 
 
 class ScenarioRuns:
@@ -83,8 +94,9 @@ class ScenarioRuns:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if backend not in self._results:
             if not self._procs:
-                self._procs = {b: _start(b, self.names, self.tmp, {}) for b in BACKENDS if b != "tensorflow"}
-            if backend == "tensorflow":
+                here = "tensorflow" if _in_process_keras() == "tensorflow" else None
+                self._procs = {b: _start(b, self.names, self.tmp, {}) for b in BACKENDS if b != here}
+            if backend not in self._procs:
                 self._results[backend] = run_scenarios(backend, self.names, self.tmp)
             else:
                 self._results[backend] = _collect(self._procs[backend], backend, self.names, self.timeout)

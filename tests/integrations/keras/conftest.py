@@ -1,5 +1,6 @@
 """Keras tests share one TensorFlow runtime: split the CPU into 2 logical devices before TF starts,
-so MirroredStrategy has two replicas on this 2-core machine."""
+so MirroredStrategy has two replicas on this 2-core machine. ``keras_backend`` parametrizes a test over
+Keras's backends (the other backends run in fresh interpreters: ``backend_runner``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import itertools
 import os
 
 import pytest
+
+from tests.integrations.keras.backend_runner import BACKENDS
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -39,3 +42,10 @@ def mirrored() -> object:
         _collective_key_base = 10_000_000 * next(_key_bases)
 
     return _OwnKeys([d.name for d in logical[:2]])
+
+
+@pytest.fixture(params=BACKENDS)
+def keras_backend(request: pytest.FixtureRequest) -> str:
+    """The ``KERAS_BACKEND`` a test checks (as Keras's own suite parametrizes it); Keras fixes its backend at
+    import, so a test runs JAX and PyTorch in fresh interpreters (``backend_runner``)."""
+    return str(request.param)

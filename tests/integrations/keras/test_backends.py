@@ -21,13 +21,8 @@ pytest.importorskip("jax")
 pytest.importorskip("torch")
 
 from tests.integrations.keras import backend_scenarios as sc
-from tests.integrations.keras.backend_runner import BACKENDS, ScenarioRuns, run_scenarios, run_workers
+from tests.integrations.keras.backend_runner import ScenarioRuns, run_scenarios, run_workers
 from tests.optim.reference import RefGroup, RefLamb
-
-
-@pytest.fixture(params=BACKENDS)
-def keras_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +277,14 @@ def test_balancer_shares_load_readings_between_torchrun_workers_on_pytorch(tmp_p
     for worker in workers:
         got = _result(worker, "balancer_exchange")
         assert got["rounds"] == [want, want] and got["warnings"] == []
+
+
+def test_balancer_rounds_to_the_data_parallel_devices_on_jax(tmp_path: Path) -> None:
+    """JAX, keras.distribution.DataParallel over two (forced host) CPU devices: B stays a multiple of 2."""
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    got = _result(run_scenarios("jax", ["balancer_data_parallel"], tmp_path, env=env), "balancer_data_parallel")
+    assert got["devices"] == 2
+    assert got["batch_sizes"] == [6.0, 2.0, 2.0]  # 6 * 0.5 = 3, rounded down to 2; the lower bound holds it
 
 
 @pytest.mark.parametrize("source", ["tf_data", "py_dataset"])

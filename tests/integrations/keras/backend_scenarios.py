@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.ps.diffs import max_abs_diff
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 #: Variables of the optimizer scenarios: a kernel, a zero-initialised bias, a norm scale.
@@ -184,7 +186,7 @@ def lamb_save_load(tmp: str) -> dict[str, Any]:
     )
     for m in (model, loaded):
         m.fit(x, y, batch_size=FIT_BATCH, epochs=1, shuffle=False, verbose=0)
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True))
+    diff = max_abs_diff(loaded.get_weights(), model.get_weights())
     return {
         "type": type(loaded.optimizer).__name__,
         "is_lamb": isinstance(loaded.optimizer, LAMB),
@@ -192,7 +194,7 @@ def lamb_save_load(tmp: str) -> dict[str, Any]:
         "n_state": len(loaded.optimizer.variables),
         "iterations": int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)),
         "max_diff_after": diff,
-        "moved": max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), w0, strict=True)),
+        "moved": max_abs_diff(model.get_weights(), w0),
     }
 
 
@@ -209,8 +211,8 @@ def async_one_worker() -> dict[str, Any]:
     model.compile(optimizer=AsyncLAMB(learning_rate=0.02, sync_every=4), loss="mse")
     exchange = AsyncLAMBExchange(mode="async", shared_memory=False)
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[exchange])
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), plain.get_weights(), strict=True))
-    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), w0, strict=True))
+    diff = max_abs_diff(model.get_weights(), plain.get_weights())
+    moved = max_abs_diff(model.get_weights(), w0)
     return {
         "exchanges": exchange.exchanges,
         "closed": exchange.client is None,

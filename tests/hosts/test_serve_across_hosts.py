@@ -69,11 +69,15 @@ def test_a_serve_whose_device_is_loopback_refuses_a_remote_worker_at_once(emulat
 def test_a_serve_on_loopback_is_named_by_a_worker_on_another_host(emulated_hosts: Any, tmp_path: Path) -> None:
     hosts = emulated_hosts(2, hostname_maps_to="address")
     serve(hosts, 0, "--shards", "1", host="127.0.0.1")  # the default: workers of its own host only
-    t0 = time.monotonic()
     worker = service_worker(hosts, 1, f"{hosts[0].address}:29600", tmp_path / "c.json", "--timeout", "5")
     assert worker.finish(30) == 3, worker.text()
-    assert time.monotonic() - t0 < 5 + 10
-    error = json.loads((tmp_path / "c.json").read_text())["error"]
+    result = json.loads((tmp_path / "c.json").read_text())
+    # PSClient.start's own wait (the interpreter's start-up and imports are not ivyplug's): torch's TCPStore client
+    # retries a refused connect once after its timeout, so a serve that never answers is named after about twice
+    # the timeout (measured: 9.7 s for timeout=5 on loopback, 12.1 s across the emulated hosts)
+    print("PSClient.start waited", result["start_s"], "s")  # shown with -rA
+    assert result["start_s"] < 2 * 5 + 5, result
+    error = result["error"]
     for words in ("connection refused", "--host", "127.0.0.1", f"{hosts[0].address}:29600"):
         assert words in error, error
 

@@ -50,6 +50,7 @@ def main() -> int:
     model, opt = model_and_optimizer(args.seed, args.hidden)
     out: dict[str, object] = {"pid": os.getpid(), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
     x, y = task()
+    started = time.monotonic()
     try:
         cfg = PSConfig(
             mode=args.mode, staleness=args.staleness, servers=args.address, token=args.token, timeout=args.timeout
@@ -57,6 +58,7 @@ def main() -> int:
         client = PSClient.start(cfg, list(model.named_parameters()), [], opt)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
+        out["start_s"] = time.monotonic() - started  # how long PSClient.start waited before it failed
         with open(args.out, "w") as f:
             json.dump(out, f)
         return 3

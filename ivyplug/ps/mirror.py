@@ -57,6 +57,15 @@ def _slot_kind(value: Any) -> tuple[str, int] | None:
     return None
 
 
+def _unchanged(value: Any, start: Any) -> bool:
+    """Whether a value copied once at start is still the same: the same object, or an equal plain value (a
+    tensor or array put in its place compares element-wise, so only identity counts for those)."""
+    if value is start:
+        return True
+    plain = (bool, int, float, str, type(None))
+    return isinstance(value, plain) and isinstance(start, plain) and value == start
+
+
 @dataclass
 class OptimizerSpec:
     """What a server needs to build the user's optimizer over its shard and follow its hyperparameters."""
@@ -138,7 +147,7 @@ class OptimizerSpec:
                     continue
                 if key not in start:
                     changes.append(f"param group {g} gained {key!r}")
-                elif _slot_kind(start[key]) is None and value is not start[key] and value != start[key]:
+                elif _slot_kind(start[key]) is None and not _unchanged(value, start[key]):
                     changes.append(f"param group {g}'s {key!r} changed from {start[key]!r} to {value!r}")
         return changes
 

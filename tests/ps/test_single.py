@@ -197,6 +197,7 @@ def test_a_change_the_servers_cannot_follow_warns_once_and_a_new_group_is_refuse
         step()
     opt.param_groups[0]["nesterov"] = True
     opt.param_groups[0]["initial_lr"] = 0.1  # a scheduler created after the start adds it
+    opt.param_groups[0]["foreach"] = None  # the same plain value again: no change
     with pytest.warns(RuntimeWarning) as caught:
         step()
         step()
@@ -204,6 +205,13 @@ def test_a_change_the_servers_cannot_follow_warns_once_and_a_new_group_is_refuse
     assert len(texts) == 2, texts  # once each
     assert "'initial_lr'" in texts[0] and "gained" in texts[0]
     assert "'nesterov' changed from False to True" in texts[1]
+    # a non-numeric entry replaced by a tensor of several values: reported, never an ambiguous-truth error
+    spec_groups = client.spec.groups[0]
+    spec_groups["mask"] = torch.ones(3)
+    opt.param_groups[0]["mask"] = torch.ones(3)
+    changes = client.spec.unmirrored_changes(opt)
+    assert "param group 0's 'mask' changed from tensor([1., 1., 1.]) to tensor([1., 1., 1.])" in changes, changes
+    del spec_groups["mask"], opt.param_groups[0]["mask"]
     opt.add_param_group({"params": params[2:]})
     with pytest.raises(ValueError, match="has 2 param groups, but it had 1"):
         step()

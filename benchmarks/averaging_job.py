@@ -1,10 +1,16 @@
-"""Configurations of ``ivyplug bench averaging`` run in sequence in one 2-rank job (start-up paid once).
+"""Configurations of ``ivyplug bench averaging`` (and ``bench hosts``) run in sequence in one job.
 
 ``python -m ivyplug.benchmarks.averaging_job --setting digits --slowdown 3 --epochs 4 --configs ddp ivy_ps
-avg/16/nesterov/bfloat16 --out r.json``. A config is ``ddp`` (DDP, AdamW), ``ivy_ps[/wire]`` (the PS in async
-mode running AdamW on pushed gradients) or ``avg/H/outer/wire`` (AdamW in ``LocalUpdates`` with
-``sync_every=H``, async mode, merged by the outer optimizer ``outer``; ``outer@lr@momentum`` sets its
-``outer_lr`` and ``outer_momentum``). Settings: ``digits`` is the
+avg/16/nesterov/bfloat16 --out r.json``: 2 ranks on this machine (start-up paid once). With ``--nodes 2`` it is
+one node of a two-node job, started by ``torchrun --nnodes 2`` on each (emulated) host, one rank per host;
+``--link DEV`` then also records the bytes that crossed the interface ``DEV`` during each fit (the kernel's
+own counters, read on rank 0's host).
+
+A config is ``ddp`` (DDP), ``ivy_ps[/wire]`` (the PS in async mode on pushed gradients), ``ivy_ps_sync[/wire]``
+(sync mode) or ``avg/H/outer/wire[/overlap]`` (the optimizer in ``LocalUpdates`` with ``sync_every=H``, where
+``H`` may be ``auto``, async mode, merged by the outer optimizer ``outer``; ``outer@lr@momentum`` sets its
+``outer_lr`` and ``outer_momentum``; ``/overlap`` exchanges in the background). ``--optimizer`` is AdamW
+(default) or ``lamb`` (ivyplug's LAMB), the same in every config. Settings: ``digits`` is the
 compute-bound MLP 64-1024-1024-10 of ``bench ps`` at batch 256 on the training set repeated 32x (90 steps per
 worker and epoch); ``wide`` is 64-2048-2048-10 at batch 16 on the training set (45 steps per worker and epoch),
 where communication is a larger share of a step. The slow worker is ``bench ps``'s delay injector (rank 1
@@ -27,17 +33,29 @@ from ivyplug.integrations.lightning.launchers import destroy_default_group
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ivyplug.ps.sync_period import SyncEvery
+
 #: setting -> (hidden width, per-worker batch, training-set repeats)
 SETTINGS: dict[str, tuple[int, int, int]] = {"digits": (1024, 256, 32), "wide": (2048, 16, 1)}
 LR = 1e-3
+LAMB_LR = 1e-2
+OPTIMIZERS = ("adamw", "lamb")
 
 
 class AveragingMLP(pl.LightningModule):
     """64-H-H-10 with AdamW (wrapped in LocalUpdates for ``avg`` configs); rank 1 is ``slowdown`` times slower."""
 
-    def __init__(self, hidden: int, slowdown: float, sync_every: int | None, outer: str) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        slowdown: float,
+        sync_every: SyncEvery | None,
+        outer: str,
+        overlap: bool = False,
+        optimizer: str = "adamw",
+    ) -> None:
         super().__init__()
-        self.slowdown, self.sync_every = slowdown, sync_every
+        self.slowdown, self.sync_every, self.overlap, self.optimizer = slowdown, sync_every, overlap, optimizer
         name, *values = outer.split("@")  # outer[@outer_lr[@outer_momentum]]
         self.outer = name
         keys = ("outer_lr", "outer_momentum")[: len(values)]
@@ -58,12 +76,20 @@ class AveragingMLP(pl.LightningModule):
         self.log("val_acc", (self.net(x).argmax(-1) == y).float().mean(), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        inner = torch.optim.AdamW(self.parameters(), lr=LR)
+        inner: torch.optim.Optimizer
+        if self.optimizer == "lamb":
+            from ivyplug.optim import LAMB
+
+            inner = LAMB(self.parameters(), lr=LAMB_LR)
+        else:
+            inner = torch.optim.AdamW(self.parameters(), lr=LR)
         if self.sync_every is None:
             return inner
         from ivyplug.optim import LocalUpdates
 
-        return LocalUpdates(inner, sync_every=self.sync_every, outer=self.outer, **self.outer_kwargs)
+        return LocalUpdates(
+            inner, sync_every=self.sync_every, outer=self.outer, overlap=self.overlap, **self.outer_kwargs
+        )
 
 
 class AccuracyClock(pl.Callback):
@@ -81,33 +107,60 @@ class AccuracyClock(pl.Callback):
             self.points.append((time.perf_counter() - self._start, float(trainer.callback_metrics["val_acc"])))
 
 
-def run_config(config: str, setting: str, slowdown: float, epochs: int) -> dict[str, Any] | None:
+def _link_bytes(link: str | None) -> int:
+    """Bytes sent plus received over interface ``link`` so far (0 without one)."""
+    if link is None:
+        return 0
+    stats = Path("/sys/class/net") / link / "statistics"
+    return sum(int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes"))
+
+
+def parse_config(config: str) -> dict[str, Any]:
+    """The parts of a config name (ValueError naming the forms otherwise)."""
+    parts = config.split("/")
+    kind = parts[0]
+    if kind == "ddp" and len(parts) == 1:
+        return {"kind": kind, "mode": None, "wire": "float32", "sync_every": None, "outer": "-", "overlap": False}
+    if kind in ("ivy_ps", "ivy_ps_sync") and len(parts) <= 2:
+        mode = "sync" if kind == "ivy_ps_sync" else "async"
+        wire = parts[1] if len(parts) > 1 else "float32"
+        return {"kind": kind, "mode": mode, "wire": wire, "sync_every": None, "outer": "-", "overlap": False}
+    if kind == "avg" and len(parts) in (4, 5) and (len(parts) == 4 or parts[4] == "overlap"):
+        h: SyncEvery = "auto" if parts[1] == "auto" else int(parts[1])
+        return {
+            "kind": kind, "mode": "async", "wire": parts[3], "sync_every": h, "outer": parts[2],
+            "overlap": len(parts) == 5,
+        }  # fmt: skip
+    raise ValueError(f"unknown config {config!r}: ddp, ivy_ps[/wire], ivy_ps_sync[/wire] or avg/H/outer/wire[/overlap]")
+
+
+def run_config(
+    config: str,
+    setting: str,
+    slowdown: float,
+    epochs: int,
+    nodes: int = 1,
+    seed: int = 0,
+    link: str | None = None,
+    optimizer: str = "adamw",
+) -> dict[str, Any] | None:
     """One fit; rank 0's result (None on the other rank)."""
     from ivyplug.integrations.lightning import IvyPSStrategy
 
     hidden, batch, repeat = SETTINGS[setting]
-    parts = config.split("/")
-    sync_every: int | None = None
-    outer, wire = "-", "float32"
-    strategy: Any
-    if parts[0] == "ddp":
-        strategy = "ddp"
-    elif parts[0] == "ivy_ps":
-        wire = parts[1] if len(parts) > 1 else "float32"
-        strategy = IvyPSStrategy(mode="async", wire_dtype=wire, timeout=300)
-    elif parts[0] == "avg":
-        sync_every, outer, wire = int(parts[1]), parts[2], parts[3]
-        strategy = IvyPSStrategy(mode="async", wire_dtype=wire, timeout=300)
-    else:
-        raise ValueError(f"unknown config {config!r}: ddp, ivy_ps[/wire] or avg/H/outer/wire")
-    pl.seed_everything(0, verbose=False)
+    c = parse_config(config)
+    strategy: Any = "ddp"
+    if c["mode"] is not None:
+        strategy = IvyPSStrategy(mode=c["mode"], wire_dtype=c["wire"], timeout=300)
+    pl.seed_everything(seed, verbose=False)
     train, val = digits(repeat)
     clock, acc = EpochClock(), AccuracyClock()
-    model = AveragingMLP(hidden, slowdown, sync_every, outer)
+    model = AveragingMLP(hidden, slowdown, c["sync_every"], c["outer"], c["overlap"], optimizer)
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2,
+        devices=2 if nodes == 1 else 1,
+        num_nodes=nodes,
         max_epochs=epochs,
         logger=False,
         enable_checkpointing=False,
@@ -116,14 +169,16 @@ def run_config(config: str, setting: str, slowdown: float, epochs: int) -> dict[
         num_sanity_val_steps=0,
         callbacks=[clock, acc],
     )
+    link_before = _link_bytes(link)
     trainer.fit(model, DataLoader(train, batch_size=batch, shuffle=True), DataLoader(val, batch_size=512))
+    link_moved = _link_bytes(link) - link_before
     if trainer.global_rank != 0:
         return None
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     params = sum(p.numel() for p in model.parameters())
     steps_per_rank = len(train) / (2 * batch)
     samples = epochs * len(train)
-    if parts[0] == "ddp":
+    if c["kind"] == "ddp":
         # gloo's ring all-reduce of 2 ranks: each rank sends and receives one full fp32 gradient per step
         # (an analytic count: gloo does not report its bytes)
         moved = epochs * steps_per_rank * 2 * (2 * params * 4)
@@ -131,14 +186,21 @@ def run_config(config: str, setting: str, slowdown: float, epochs: int) -> dict[
         moved = sum(
             v for k, v in metrics.items() if k.startswith("ivy/") and k.endswith(("bytes_sent", "bytes_received"))
         )
+    periods = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("ivy/") and k.endswith("/sync_every")}
     return {
         "config": config,
-        "kind": parts[0],
-        "sync_every": sync_every,
-        "outer": outer,
-        "wire": wire,
+        "kind": c["kind"],
+        "mode": c["mode"],
+        "sync_every": c["sync_every"],
+        "sync_every_chosen": periods,
+        "outer": c["outer"],
+        "wire": c["wire"],
+        "overlap": c["overlap"],
+        "optimizer": optimizer,
         "setting": setting,
         "slowdown": slowdown,
+        "seed": seed,
+        "nodes": nodes,
         "epochs": epochs,
         "batch": batch,
         "params": params,
@@ -147,8 +209,9 @@ def run_config(config: str, setting: str, slowdown: float, epochs: int) -> dict[
         "accuracy_points": acc.points,
         "val_acc": metrics.get("val_acc"),
         "bytes_moved": moved,
-        "bytes_measured": parts[0] != "ddp",
+        "bytes_measured": c["kind"] != "ddp",
         "bytes_per_sample": moved / samples,
+        "link_bytes": link_moved if link is not None else None,
     }
 
 
@@ -159,6 +222,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=None, help="training-set repeats (default: the setting's)")
     parser.add_argument("--configs", nargs="+", required=True)
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: one node of a torchrun job")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--link", default=None, help="interface whose byte counters are read around each fit")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.repeat is not None:
@@ -173,7 +240,9 @@ def main() -> None:
     results = []
     try:
         for config in args.configs:
-            result = run_config(config, args.setting, args.slowdown, args.epochs)
+            result = run_config(
+                config, args.setting, args.slowdown, args.epochs, args.nodes, args.seed, args.link, args.optimizer
+            )
             if result is not None:
                 results.append(result)
     finally:

@@ -5,7 +5,8 @@ results.json --out PNG`` draws it again from a saved run. Figures show what the 
 reader can see the ratios at a glance: ``ps`` epoch time and throughput per strategy with and without the slow
 worker, and the transport against gloo; ``balance`` epoch time with and without the balancer; ``scale`` push
 latency against the number of workers and step cost against model size; ``lamb`` each optimizer's step time
-relative to fused AdamW's, per allocator setting. ``averaging`` has its own plots, :mod:`.averaging_plot`.
+relative to fused AdamW's, per allocator setting; ``hosts`` and ``averaging_hosts`` accuracy against wall time and
+against the bytes over the link, per link speed. ``averaging`` has its own plots, :mod:`.averaging_plot`.
 """
 
 from __future__ import annotations
@@ -154,8 +155,39 @@ def lamb(results: dict[str, Any], out: Path) -> Path:
     return _save(plt, fig, out)
 
 
+def hosts(results: dict[str, Any], out: Path) -> Path:
+    """``hosts`` and ``averaging_hosts``: per link speed (a row each, the slow-worker job last), validation
+    accuracy against wall time since the fit started and against the bytes over host 0's link (each epoch moves
+    the same share of the fit's bytes), round 0's runs (seed 0)."""
+    plt = _pyplot()
+    runs = [r for r in results["runs"] if r.get("round", 0) == 0]
+    jobs = list(dict.fromkeys((r["rate"], r["slowdown"]) for r in runs))
+    fig, axes = plt.subplots(len(jobs), 2, figsize=(12, 3.6 * len(jobs)), squeeze=False)
+    for (rate, slowdown), (by_time, by_bytes) in zip(jobs, axes, strict=True):
+        for r in (r for r in runs if (r["rate"], r["slowdown"]) == (rate, slowdown)):
+            points = r["accuracy_points"]
+            style = {"color": "black", "linewidth": 2.5} if r["kind"] == "ddp" else {"linewidth": 1.5}
+            mb = [r["link_bytes"] / 1e6 * (i + 1) / len(points) for i in range(len(points))]
+            by_time.plot([t for t, _ in points], [a for _, a in points], marker="o", label=r["config"], **style)
+            by_bytes.plot(mb, [a for _, a in points], marker="o", label=r["config"], **style)
+        title = f"{rate} link" + (f", host 1 {slowdown:g}x slower" if slowdown != 1 else "")
+        by_time.set(title=title, xlabel="wall time since the fit started (s)", ylabel="validation accuracy")
+        by_bytes.set(title=title, xlabel="MB over host 0's link (log)", ylabel="validation accuracy", xscale="log")
+        by_time.legend(fontsize=7)
+    load = results.get("loadavg_end")
+    fig.suptitle(f"2 emulated hosts, one worker each (seed 0; load {load[0]:.1f} at the end)" if load else "")
+    return _save(plt, fig, out)
+
+
 #: benchmark name -> its figure
-PLOTS: dict[str, Callable[[dict[str, Any], Path], Path]] = {"ps": ps, "balance": balance, "scale": scale, "lamb": lamb}
+PLOTS: dict[str, Callable[[dict[str, Any], Path], Path]] = {
+    "ps": ps,
+    "balance": balance,
+    "scale": scale,
+    "lamb": lamb,
+    "hosts": hosts,
+    "averaging_hosts": hosts,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,12 +45,12 @@ def _restore_launch_variables() -> Iterator[None]:
 
 @pytest.fixture
 def emulated_hosts() -> Iterator[Any]:
-    """A factory of emulated hosts (tests/netns_hosts.py): ``emulated_hosts(2, rate="100mbit")``.
+    """A factory of emulated hosts (ivyplug.benchmarks.emulated_hosts): ``emulated_hosts(2, rate="100mbit")``.
 
     Skips the test where they cannot be made (not Linux, not root, a command missing); every host made is
     torn down at the end of the test, processes included, whatever the test's outcome.
     """
-    from tests.netns_hosts import Hosts, remove_stale, unavailable
+    from ivyplug.benchmarks.emulated_hosts import Hosts, remove_stale, unavailable
 
     reason = unavailable()
     if reason is not None:

@@ -26,6 +26,8 @@ BENCHMARKS: dict[str, str] = {
     "keras_overhead": "ivyplug.benchmarks.keras_overhead",
     "scale": "ivyplug.benchmarks.scale",
     "averaging": "ivyplug.benchmarks.averaging",
+    "averaging_hosts": "ivyplug.benchmarks.averaging_hosts",
+    "hosts": "ivyplug.benchmarks.hosts",
 }
 
 
@@ -37,7 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--plot",
         type=Path,
         metavar="PNG",
-        help="ps, balance, scale, lamb: also draw the results' figure here (matplotlib)",
+        help="ps, balance, scale, lamb, hosts, averaging_hosts: also draw the results' figure here (matplotlib)",
     )
     parser.add_argument(
         "--keras", action="store_true", help="lamb only: also compare the Keras LAMB with Keras's Lamb and AdamW"
@@ -46,7 +48,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--select",
         action="append",
         metavar="KEY=V1,V2",
-        help="averaging only: run a subset of the grid (keys setting, slowdown, H, outer, wire; repeatable)",
+        help=(
+            "averaging, averaging_hosts, hosts: run a subset of the grid (averaging: keys setting, slowdown, H, "
+            "outer, wire; the hosts ones: rate, slowdown, config, rounds; repeatable)"
+        ),
     )
 
 
@@ -72,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         extra["keras"] = True
     if getattr(args, "select", None):
         if "select" not in inspect.signature(module.run).parameters:
-            print(f"ivyplug bench {args.name}: --select applies to 'averaging' only", file=sys.stderr)
+            print(f"ivyplug bench {args.name}: --select applies to averaging and the hosts benchmarks", file=sys.stderr)
             return 2
         select: dict[str, list[str]] = {}
         for item in args.select:

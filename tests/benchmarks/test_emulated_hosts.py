@@ -88,16 +88,26 @@ def test_a_cut_link_is_silent_until_healed(emulated_hosts: Any) -> None:
                 raise
 
 
-def test_a_rate_limit_slows_the_link(emulated_hosts: Any) -> None:
+def _mbit(hosts: Any, port: int, mib: int) -> float:
+    _listen(hosts, 0, "0.0.0.0", port)
+    seconds = float(hosts.check(1, [sys.executable, "-c", SEND, hosts[0].address, str(port), str(mib)]))
+    return mib * 8 * (1 << 20) / seconds / 1e6
+
+
+def test_a_rate_limit_slows_the_link_and_can_be_changed_and_lifted(emulated_hosts: Any) -> None:
     hosts = emulated_hosts(2, rate="20mbit")
-    _listen(hosts, 0, "0.0.0.0", 7002)
-    seconds = float(hosts.check(1, [sys.executable, "-c", SEND, hosts[0].address, "7002", "5"]))
-    mbit = 5 * 8 * (1 << 20) / seconds / 1e6
+    mbit = _mbit(hosts, 7002, 5)
     assert 10 < mbit < 25, f"{mbit:.1f} Mbit/s over a 20mbit link"
+    hosts.limit("60mbit")
+    mbit = _mbit(hosts, 7003, 10)
+    assert 35 < mbit < 70, f"{mbit:.1f} Mbit/s over a 60mbit link"
+    hosts.limit(None)
+    mbit = _mbit(hosts, 7004, 40)
+    assert mbit > 150, f"{mbit:.1f} Mbit/s over an unlimited link"
 
 
 def test_what_a_killed_session_left_behind_is_removed_and_live_sessions_are_not(emulated_hosts: Any) -> None:
-    from tests.netns_hosts import NETNS_ETC, remove_stale
+    from ivyplug.benchmarks.emulated_hosts import NETNS_ETC, remove_stale
 
     live = emulated_hosts(1)
     dead = subprocess.Popen(["true"])

@@ -13,7 +13,8 @@ namespaces made here.
         hosts.cut(1)   # host 1's link goes down: its traffic is dropped silently, as on a pulled cable
         hosts.heal(1)
 
-* ``rate``: a token-bucket limit (``tc qdisc ... tbf``) on every link, both directions.
+* ``rate``: a token-bucket limit (``tc qdisc ... tbf``) on every link, both directions; :meth:`Hosts.limit`
+  changes it later (benchmarks measure several link speeds on one set of hosts).
 * ``hostname_maps_to``: ``"loopback"`` writes ``/etc/hosts`` so that each host's own name resolves to
   ``127.0.1.1`` (as Debian and Ubuntu install machines), ``"address"`` to its routable address, ``None``
   leaves the machine's file. Every host's name (``hosts[i].hostname``) resolves to its address on the others.
@@ -151,12 +152,10 @@ class Hosts:
             _sh("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", DEVICE)
             _sh("ip", "-n", h.netns, "link", "set", DEVICE, "up")
             _sh("ip", "-n", h.netns, "link", "set", "lo", "up")
-            if self.rate is not None:
-                for ns, dev in ((h.netns, DEVICE), (self.switch, h.port)):
-                    _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                        "burst", "64kb", "latency", "400ms")  # fmt: skip
             self._write_hosts_file(h)
             self._start_holder(h)
+        if self.rate is not None:
+            self.limit(self.rate)
 
     def _write_hosts_file(self, h: Host) -> None:
         if self.hostname_maps_to is None:
@@ -227,6 +226,11 @@ class Hosts:
         self.hosts[i].procs.append(proc)
         return proc
 
+    def kill(self, proc: subprocess.Popen[Any]) -> None:
+        """End a command started with :meth:`run`: SIGKILL its process group (what it started in other groups
+        goes at :meth:`close`)."""
+        _kill_group(proc)
+
     def check(self, i: int, cmd: Sequence[str], timeout: float = 30) -> str:
         """Run ``cmd`` on host ``i`` to completion; its output (RuntimeError if it fails)."""
         done = subprocess.run(self.command(i, cmd), capture_output=True, text=True, timeout=timeout)
@@ -241,6 +245,18 @@ class Hosts:
     def heal(self, i: int) -> None:
         """Bring host ``i``'s link back up."""
         _sh("ip", "-n", self.switch, "link", "set", self.hosts[i].port, "up")
+
+    def limit(self, rate: str | None) -> None:
+        """Limit every link, both directions, to ``rate`` (``tc`` units: ``"100mbit"``, ``"1gbit"``); ``None``
+        lifts the limit. A token bucket (``tbf``, burst 64 kB, 400 ms of queue): this kernel has no netem."""
+        for h in self.hosts:
+            for ns, dev in ((h.netns, DEVICE), (self.switch, h.port)):
+                tc = ["ip", "netns", "exec", ns, "tc", "qdisc"]
+                if rate is None:
+                    subprocess.run([*tc, "del", "dev", dev, "root"], capture_output=True)  # absent: already unlimited
+                else:
+                    _sh(*tc, "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "400ms")
+        self.rate = rate
 
     def link_bytes(self, i: int) -> tuple[int, int]:
         """Bytes host ``i`` has sent and received over its link (its ``eth0`` counters)."""

@@ -1,0 +1,202 @@
+"""Two emulated hosts, one worker each, at several link speeds: the runner that ``bench hosts`` and
+``bench averaging_hosts`` share.
+
+Each job is ``torchrun --nnodes 2`` on both hosts (:mod:`ivyplug.benchmarks.emulated_hosts`: a network
+namespace, ``/dev/shm`` and hostname per host, one link each to a bridge), running a list of configurations in
+sequence (:mod:`ivyplug.benchmarks.averaging_job` with ``--nodes 2``). Rank 0 reads the bytes that crossed
+its host's link around each fit from the kernel's interface counters: with two hosts every byte between the
+workers (and the servers they hold) passes it, whatever the strategy. Rounds are interleaved: round ``r`` runs
+every link speed once, with seed ``r`` and the configurations in a rotated order, so slow drifts of a shared
+machine fall on every configuration alike. Times are medians over rounds, accuracies means over seeds, and
+every ratio to DDP is taken inside its round before the median.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ivyplug.benchmarks.emulated_hosts import DEVICE, Hosts, unavailable
+
+#: link speeds (``tc`` rates; None: unlimited)
+RATES: tuple[str | None, ...] = (None, "1gbit", "100mbit")
+PORT = 29710
+GRACE_S = 30.0
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONWARNINGS": "ignore",
+    "PYTHONUNBUFFERED": "1",
+    "GLOO_SOCKET_IFNAME": DEVICE,  # torch's own groups (DDP's) bind to the link, as on a real cluster
+}
+
+
+def rate_name(rate: str | None) -> str:
+    return "unlimited" if rate is None else rate
+
+
+def _node_job(hosts: Hosts, node: int, port: int, out: Path, args: Sequence[str], log: Path) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    cmd += ["--node-rank", str(node), "--master-addr", hosts[0].address, "--master-port", str(port)]
+    cmd += ["-m", "ivyplug.benchmarks.averaging_job", "--nodes", "2", "--link", DEVICE, *args, "--out", str(out)]
+    with log.open("w") as sink:  # a file, not a pipe: a full pipe would stall a chatty job
+        return hosts.run(node, cmd, env=ENV, stdout=sink, stderr=subprocess.STDOUT)
+
+
+def run_job(hosts: Hosts, port: int, args: Sequence[str], timeout: float) -> dict[str, Any]:
+    """One two-node job; rank 0's result with the load average around it (RuntimeError with both logs if a node
+    fails or outlives ``timeout``: every process of the job is killed then)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        load_before = os.getloadavg()
+        procs = [_node_job(hosts, node, port, out, args, Path(tmp) / f"node{node}.log") for node in (0, 1)]
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now  # one node failed: the other gets a moment to fail on its own, then is ended
+            if now > deadline or (failed_at is not None and now > failed_at + GRACE_S):
+                for p in procs:
+                    hosts.kill(p)
+                break
+            time.sleep(0.5)
+        logs = [(Path(tmp) / f"node{node}.log").read_text(errors="replace") for node in (0, 1)]
+        failed = any(p.returncode != 0 for p in procs)
+        if failed or not out.exists():
+            tails = "\n".join(f"--- host {i}:\n{log[-2500:]}" for i, log in enumerate(logs))
+            raise RuntimeError(f"two-host benchmark job {list(args)} failed or timed out ({timeout:g} s):\n{tails}")
+        result: dict[str, Any] = json.loads(out.read_text())
+    result["loadavg_before"], result["loadavg_after"] = load_before, os.getloadavg()
+    return result
+
+
+def run_rounds(
+    jobs: Sequence[tuple[str | None, float, list[str]]],
+    *,
+    rounds: int,
+    epochs: int,
+    setting: str,
+    optimizer: str,
+    repeat: int | None = None,
+    timeout: float = 3600.0,
+) -> dict[str, Any]:
+    """Every (rate, slowdown, configs) job once per round on one pair of hosts; the runs, or ``skipped`` with
+    the reason where emulated hosts cannot be made here."""
+    reason = unavailable()
+    if reason is not None:
+        return {"skipped": reason, "runs": []}
+    runs: list[dict[str, Any]] = []
+    with Hosts(2, hostname_maps_to="address") as hosts:
+        port = PORT
+        for r in range(rounds):
+            for rate, slowdown, configs in jobs:
+                shift = r % len(configs)
+                order = configs[shift:] + configs[:shift]
+                args = ["--setting", setting, "--slowdown", str(slowdown), "--epochs", str(epochs)]
+                args += ["--seed", str(r), "--optimizer", optimizer, "--configs", *order]
+                if repeat is not None:
+                    args += ["--repeat", str(repeat)]
+                hosts.limit(rate)
+                port += 1  # a fresh rendezvous port: the last job's may linger in TIME_WAIT
+                result = run_job(hosts, port, args, timeout)
+                for run in result["runs"]:
+                    run.update(rate=rate_name(rate), round=r)
+                    run["loadavg_before"], run["loadavg_after"] = result["loadavg_before"], result["loadavg_after"]
+                runs.extend(result["runs"])
+    return {"skipped": None, "runs": runs}
+
+
+def _time_to(points: list[list[float]], target: float) -> float | None:
+    for t, acc in points:
+        if acc >= target - 1e-9:
+            return float(t)
+    return None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (rate, slowdown, config): medians over rounds and means over seeds, ratios to the DDP run of
+    the same round, rate and slowdown."""
+    ddp = {(r["rate"], r["slowdown"], r["round"]): r for r in runs if r["kind"] == "ddp"}
+    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        times = r["epoch_times"]
+        r["epoch_time"] = statistics.median(times[1:] if len(times) > 1 else times)
+    for r in runs:
+        ref = ddp.get((r["rate"], r["slowdown"], r["round"]))
+        if ref is not None:
+            r["epoch_vs_ddp"] = r["epoch_time"] / ref["epoch_time"]
+            r["link_bytes_vs_ddp"] = r["link_bytes"] / ref["link_bytes"] if ref["link_bytes"] else None
+            r["time_to_ddp_acc"] = _time_to(r["accuracy_points"], ref["val_acc"])
+            ref_time = _time_to(ref["accuracy_points"], ref["val_acc"])
+            r["time_to_ddp_acc_vs_ddp"] = (
+                r["time_to_ddp_acc"] / ref_time if r["time_to_ddp_acc"] is not None and ref_time else None
+            )
+            r["acc_points_vs_ddp"] = 100 * (r["val_acc"] - ref["val_acc"])
+        groups.setdefault((r["rate"], r["slowdown"], r["config"]), []).append(r)
+    rows = []
+    for (rate, slowdown, config), rs in groups.items():
+        reached = [r["time_to_ddp_acc_vs_ddp"] for r in rs if r.get("time_to_ddp_acc_vs_ddp") is not None]
+        rows.append(
+            {
+                "rate": rate,
+                "slowdown": slowdown,
+                "config": config,
+                "rounds": len(rs),
+                "epoch_time": statistics.median(r["epoch_time"] for r in rs),
+                "epoch_vs_ddp": _median([r["epoch_vs_ddp"] for r in rs if "epoch_vs_ddp" in r]),
+                "link_mb": statistics.median(r["link_bytes"] for r in rs) / 1e6,
+                "link_bytes_vs_ddp": _median([r["link_bytes_vs_ddp"] for r in rs if r.get("link_bytes_vs_ddp")]),
+                "val_acc": statistics.fmean(r["val_acc"] for r in rs),
+                "acc_points_vs_ddp": statistics.fmean(r["acc_points_vs_ddp"] for r in rs if "acc_points_vs_ddp" in r)
+                if any("acc_points_vs_ddp" in r for r in rs)
+                else None,
+                "time_to_ddp_acc_vs_ddp": _median(reached),
+                "reached_ddp_acc": f"{len(reached)}/{len(rs)}",
+                "sync_every_chosen": [r.get("sync_every_chosen") for r in rs],
+                "load": [r["loadavg_before"][0] for r in rs],
+            }
+        )
+    order = {rate_name(rate): i for i, rate in enumerate(RATES)}
+    rows.sort(key=lambda row: (row["slowdown"], order.get(row["rate"], 9)))
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_rows(title: str, results: dict[str, Any]) -> str:
+    if results.get("skipped"):
+        return f"{title}: skipped, {results['skipped']}"
+    lines = [
+        title,
+        f"{'link':<9} {'slow':>4} {'config':<30} {'epoch s':>8} {'vs DDP':>7} {'link MB':>8} {'vs DDP':>7} "
+        f"{'val acc':>8} {'pts':>6} {'t->DDP acc':>10} {'load':>9}",
+    ]
+    for row in results["rows"]:
+        load = f"{min(row['load']):.1f}-{max(row['load']):.1f}"
+        lines.append(
+            f"{row['rate']:<9} {row['slowdown']:>3g}x {row['config']:<30} {row['epoch_time']:>8.2f} "
+            f"{_fmt(row['epoch_vs_ddp'], '.2f'):>7} {row['link_mb']:>8.1f} {_fmt(row['link_bytes_vs_ddp'], '.4f'):>7} "
+            f"{row['val_acc']:>8.4f} {_fmt(row['acc_points_vs_ddp'], '+.2f'):>6} "
+            f"{_fmt(row['time_to_ddp_acc_vs_ddp'], '.2f') + ' ' + row['reached_ddp_acc']:>10} {load:>9}"
+        )
+    lines.append(
+        "(epoch s: median over rounds of each run's median epoch after the first, on rank 0's host; link MB: bytes "
+        "over host 0's link, both directions, from the interface's counters; val acc: mean over seeds; pts: "
+        "points vs DDP's final accuracy; t->DDP acc: median of (time to DDP's final accuracy / DDP's own), "
+        "reached in k/n rounds; every ratio is taken inside its round)"
+    )
+    lines.append(f"load average at the end: {results['loadavg_end'][0]:.2f} on {results['cpu_count']} CPUs")
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ imports a framework; every input is a plain number or a JSON-able record, so ran
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from ivyplug.load.balancer_config import BalancerConfig, ShareOptions
@@ -61,18 +61,6 @@ def policy_bounds(
     return min(low, high), max(low, high)
 
 
-def step_noise(small_sq: float, small_batch: float, big_sq: float, big_batch: float) -> tuple[float, float] | None:
-    """One step's ``(|G|², tr(Σ))`` from a worker's gradient at b and the combined one at B, or ``None``.
-
-    ``None`` where the step carries no information (B not above b, a batch not positive) or a norm is not finite,
-    so that a step with a NaN gradient is left out rather than poisoning the average.
-    """
-    if not (small_batch > 0 and big_batch > small_batch):
-        return None
-    grad_sq, trace = noise_components(small_sq, small_batch, big_sq, big_batch)
-    return (grad_sq, trace) if math.isfinite(grad_sq) and math.isfinite(trace) else None
-
-
 def mean_noise(records: Sequence[Mapping[str, Any]]) -> tuple[float, float] | None:
     """Step-weighted mean over workers of each worker's epoch mean ``(|G|², tr(Σ))``; ``None`` without steps."""
     steps = sum(int(r["noise_steps"]) for r in records)
@@ -85,6 +73,11 @@ def mean_noise(records: Sequence[Mapping[str, Any]]) -> tuple[float, float] | No
 
 def _positive(value: float) -> bool:
     return math.isfinite(value) and value > 0
+
+
+def _slowest(seconds: Iterable[float]) -> float:
+    """The largest measured time (a zero or NaN rank measured nothing), 0.0 where none measured anything."""
+    return max((t for t in seconds if _positive(t)), default=0.0)
 
 
 class BalancerCore:
@@ -149,11 +142,16 @@ class BalancerCore:
         self.noise.update(grad_sq, trace)
 
     def add_norms(self, small_sq: float, small_batch: float, big_sq: float, big_batch: float) -> bool:
-        """Fold the estimate from mean squared norms at b and at B; ``False`` (nothing added) where there is none."""
-        pair = step_noise(small_sq, small_batch, big_sq, big_batch)
-        if pair is not None:
-            self.noise.update(*pair)
-        return pair is not None
+        """Fold the estimate from the mean squared gradient norms at b and at B; ``False`` where it adds nothing.
+
+        B not above b carries no information about the noise and is ignored; a non-finite norm (a NaN gradient) is
+        counted in ``noise.skipped`` and leaves the averages alone.
+        """
+        if not (small_batch > 0 and big_batch > small_batch):
+            return False
+        grad_sq, trace = noise_components(small_sq, small_batch, big_sq, big_batch)
+        self.noise.update(grad_sq, trace)
+        return math.isfinite(grad_sq) and math.isfinite(trace)
 
     def add_step_cost(self, batch_size: int, wall: float, compute: float) -> None:
         """Keep one epoch's seconds per step at B (a zero or non-finite measurement is no measurement)."""
@@ -188,8 +186,8 @@ class BalancerCore:
         pair = mean_noise(records)
         if pair is not None:
             noise.update(*pair)
-        wall = max(float(r["wall_step"]) for r in records)
-        compute = max(float(r["step_time"]) for r in records)
+        wall = _slowest(float(r["wall_step"]) for r in records)  # the step waits for the slowest rank
+        compute = _slowest(float(r["step_time"]) for r in records)
         costs = self._with_cost(self.step_costs, old, wall, compute)
         estimate = self.estimate(noise, costs)
         if estimate.unavailable is None and held is not None:

@@ -71,6 +71,7 @@ class BalancerConfig:
         interval = self.interval
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < math.inf:
             raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        object.__setattr__(self, "interval", float(interval))  # seconds, as a float in every config written
         _check_probes(self.probes)
         _optional_int("min_batch_size", self.min_batch_size, 1)
         _optional_int("max_batch_size", self.max_batch_size, 1)

@@ -179,6 +179,12 @@ class BalancerCore:
         the callback only monitors) keeps B and the shares.
         """
         options = ShareOptions() if share_options is None else share_options
+        if not records:
+            raise ValueError("records must hold one epoch record per rank, got none")
+        for r in records:
+            missing = [key for key in RECORD_KEYS if key not in r]
+            if missing:
+                raise ValueError(f"an epoch record lacks {missing}; it needs every key of RECORD_KEYS")
         assert self.batch_size is not None and self.shares is not None, "start first"
         world = len(self.shares)
         old = self.batch_size

@@ -202,6 +202,14 @@ def test_growth_without_a_noise_estimate_holds_and_says_why() -> None:
     assert not direct.changed and "goodput unknown (one process" in direct.reason
 
 
+def test_records_must_be_complete() -> None:
+    core = started(16)
+    with pytest.raises(ValueError, match="one epoch record per rank"):
+        core.decide_epoch([], adapt=True)
+    with pytest.raises(ValueError, match=r"lacks \['wall_step'\]"):
+        core.decide_epoch([{k: v for k, v in record().items() if k != "wall_step"}], adapt=True)
+
+
 def test_the_noise_of_the_epoch_is_folded_in_on_rank_zero() -> None:
     core = started(16)
     decision = core.decide_epoch([record(noise_grad_sq=1.0, noise_trace=8.0, noise_steps=2)], adapt=False)

@@ -13,6 +13,7 @@ custom samplers or DataLoader subclasses): those are left alone.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from ivyplug.load.balancer import BalancerCore
 from ivyplug.load.batch_plan import EpochPlan, plan_epoch
 
 
@@ -157,3 +159,28 @@ def rebuild_loader(loader: DataLoader, batch_sampler: ShareBatchSampler) -> Data
     if hasattr(loader, "in_order"):
         kwargs["in_order"] = loader.in_order
     return DataLoader(loader.dataset, **kwargs)
+
+
+def share_loader(
+    loader: object, core: BalancerCore, world: int, rank: int, epoch: int, seed: int | None
+) -> tuple[object, ShareBatchSampler | str]:
+    """``loader`` rebuilt with the core's B and shares (B taken from it the first time) and its sampler, or
+    ``loader`` as it is and why it cannot be rebuilt (:func:`why_unsupported`)."""
+    reason = why_unsupported(loader)
+    if reason is not None:
+        return loader, reason
+    assert isinstance(loader, DataLoader)
+    spec = loader_spec(loader, seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0)))
+    core.start(spec.batch_size * world, world)
+    assert core.batch_size is not None and core.shares is not None
+    sampler = ShareBatchSampler(
+        num_samples=len(loader.dataset),  # type: ignore[arg-type]
+        batch_size=core.batch_size,
+        shares=core.shares,
+        rank=rank,
+        epoch=epoch,
+        seed=seed if seed is not None else spec.seed,
+        shuffle=spec.shuffle,
+        drop_last=spec.drop_last,
+    )
+    return rebuild_loader(loader, sampler), sampler

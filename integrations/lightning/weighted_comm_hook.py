@@ -40,6 +40,20 @@ class ShareHookState:
     local_sq: list[torch.Tensor] = field(default_factory=list)  # this step, per bucket: |own gradient|²
     combined_sq: list[torch.Tensor] = field(default_factory=list)  # this step, per bucket: |combined|²
 
+    def new_step(self, weight: float) -> None:
+        """Start a step whose gradient is weighted by ``weight`` (b_i/B): forget the last step's stamps and norms."""
+        self.weight = weight
+        self.last_bucket_time = None
+        if self.measure_noise:
+            self.local_sq.clear()
+            self.combined_sq.clear()
+
+    def step_norms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(|own gradient|², |combined gradient|²)`` of the step just run, summed over buckets, if measured."""
+        if not self.measure_noise or not self.local_sq or len(self.local_sq) != len(self.combined_sq):
+            return None
+        return torch.stack(self.local_sq).sum(), torch.stack(self.combined_sq).sum()
+
 
 def _sq_norm(tensor: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(tensor.detach(), dtype=torch.float32).square()
@@ -79,3 +93,48 @@ share_weighted_hook.__annotations__ = {
     "bucket": dist.GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }
+
+
+def take_user_hook(strategy: Any, comm_hook: str) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
+    """Take a user's ``ddp_comm_hook`` from a DDP strategy, to run after the share weighting (torch allows one hook).
+
+    Returns ``((hook as wrapped, its state), (hook, wrapper) as given)``, or ``None`` where the strategy has none;
+    ``comm_hook="refuse"`` raises instead. Lightning must then not register it: the share hook calls it.
+    """
+    hook = getattr(strategy, "_ddp_comm_hook", None)
+    if hook is None:
+        return None
+    if comm_hook == "refuse":
+        raise ValueError(
+            "IvyLoadBalancer weights each rank's gradient by its share through a DDP communication hook and "
+            f"torch allows one hook per model, but the strategy already has ddp_comm_hook={hook!r}; remove it, or "
+            "use IvyLoadBalancer(comm_hook='compose') to run it after the share weighting"
+        )
+    wrapper = getattr(strategy, "_ddp_comm_wrapper", None)
+    taken = ((wrapper(hook) if wrapper is not None else hook, strategy._ddp_comm_state), (hook, wrapper))
+    strategy._ddp_comm_hook = None
+    strategy._ddp_comm_wrapper = None
+    return taken
+
+
+def give_back_user_hook(strategy: Any, taken: tuple[Any, Any]) -> None:
+    """Put a hook :func:`take_user_hook` took back on the strategy (a later fit may reuse it)."""
+    strategy._ddp_comm_hook, strategy._ddp_comm_wrapper = taken
+
+
+def register_share_hook(model: Any, world: int, user: tuple[Any, Any] | None, measure_noise: bool) -> ShareHookState:
+    """Register :func:`share_weighted_hook` on a ``DistributedDataParallel`` model (``user``: a hook to compose)."""
+    user_hook, user_state = user if user is not None else (None, None)
+    state = ShareHookState(
+        world_size=world, process_group=model.process_group, user_hook=user_hook, user_state=user_state
+    )
+    state.measure_noise = measure_noise
+    try:
+        model.register_comm_hook(state, share_weighted_hook)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "IvyLoadBalancer could not register its gradient-weighting DDP communication hook: the model "
+            "already has one (torch allows one per model). Pass your hook as DDPStrategy(ddp_comm_hook=...) "
+            f"so IvyLoadBalancer can compose it, or remove it. Original error: {exc}"
+        ) from exc
+    return state

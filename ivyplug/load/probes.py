@@ -51,3 +51,18 @@ def make_probe(spec: str | Mapping[str, Any] | Probe) -> Probe:
         kwargs = {k: v for k, v in spec.items() if k != "name"}
         return get_registry().get("probe", spec["name"])(**kwargs)
     raise ValueError(f"probes must hold probe names, {{'name': ..., **kwargs}} dicts or Probe objects, got {spec!r}")
+
+
+def probe_config(spec: str | Mapping[str, Any] | Probe) -> str | dict[str, Any]:
+    """A probe spec as a config value (a name or a ``{"name": ..., **kwargs}`` dict), the inverse of make_probe."""
+    from ivyplug.load.scripted_probe import ScriptedProbe
+
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    if isinstance(spec, ScriptedProbe) and spec.clock is None:
+        return {"name": "scripted", "trace": spec.trace, "loop": spec.loop}
+    raise ValueError(
+        f"probe {spec!r} cannot be written to a config: pass probes by name or as {{'name': ..., **kwargs}} dicts"
+    )

@@ -292,12 +292,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     def _exchange(self) -> None:
         """Push the delta and continue from the pull (``overlap``: apply the exchange in flight, start this one)."""
         self._read_in()
-        self._period.exchange_started()
-        if self._overlap:
-            self._delta.start(self._local)
-        else:
-            self._delta.exchange(self._local)
-        self._period.exchange_ended()
+        self._delta.timed_exchange(self._local, self._period)
         self._local = 0
         self._write_back()
 

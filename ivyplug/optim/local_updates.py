@@ -288,12 +288,7 @@ class LocalUpdates(torch.optim.Optimizer):
     def exchange(self) -> None:
         """Push this worker's delta, pull the global copy and continue from it (``overlap``: apply the
         exchange in flight and start this one in the background)."""
-        self.period.exchange_started()
-        if self.delta.overlap:
-            self.delta.start(self.local_steps)
-        else:
-            self.delta.exchange(self.local_steps)
-        self.period.exchange_ended()
+        self.delta.timed_exchange(self.local_steps, self.period)
         self.local_steps = 0
 
     def flush(self) -> None:

@@ -61,6 +61,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from ivyplug.ps.client import PSClient
+    from ivyplug.ps.sync_period import SyncPeriod
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,7 @@ class _InFlight:
         self.dropped = False
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
+        self.seconds = 0.0  # the push and pull's whole time on the background thread
 
 
 class DeltaExchange:
@@ -266,6 +268,8 @@ class DeltaExchange:
         self._inflight: _InFlight | None = None
         #: overlap: seconds the training thread waited for an exchange in flight
         self.wait_seconds = 0.0
+        #: overlap: the whole time (push, merge, pull) of the last exchange applied, on its background thread
+        self.last_background_seconds: float | None = None
         #: bf16 wire only: carry each delta's rounding error into the next one (False: plain rounding)
         self.error_feedback = error_feedback
         self.residual: list[Tensor] | None = None
@@ -425,6 +429,7 @@ class DeltaExchange:
         steps = max(1, int(local_steps))
 
         def run() -> None:
+            began = time.perf_counter()
             try:
                 client.step(steps, delta=True)  # the PS checks the whole push (nonfinite policy)
                 job.dropped = client.metrics()["nonfinite_skipped"] > skipped
@@ -433,6 +438,7 @@ class DeltaExchange:
             finally:
                 for shadow in shadows:
                     shadow.grad = None
+                job.seconds = time.perf_counter() - began
 
         job.thread = threading.Thread(target=run, name=f"ivyplug-exchange-rank{client.rank}", daemon=True)
         self._inflight = job
@@ -448,6 +454,7 @@ class DeltaExchange:
         if job.error is not None:
             raise job.error
         self.exchanges += 1
+        self.last_background_seconds = job.seconds
         if job.dropped:  # nothing of it was applied: restart from the global copy, like exchange()
             self.discarded += 1
             self.residual = None
@@ -473,6 +480,21 @@ class DeltaExchange:
             return
         if job is not None and job.error is not None:
             log.warning("ivyplug: the overlapped exchange in flight at close failed: %s", job.error)
+
+    def timed_exchange(self, local_steps: int, period: SyncPeriod) -> None:
+        """:meth:`exchange`, or with ``overlap`` :meth:`start`, timed for ``period`` (``sync_every="auto"``).
+
+        With overlap the period counts the whole time of the exchange just applied, measured on its thread,
+        not the wait it left: H then keeps that cost within the share, hidden under the local steps.
+        """
+        period.exchange_started()
+        if not self.overlap:
+            self.exchange(local_steps)
+            period.exchange_ended()
+            return
+        applied = self.exchanges
+        self.start(local_steps)
+        period.exchange_ended(self.last_background_seconds if self.exchanges > applied else None)
 
     @torch.no_grad()
     def exchange(self, local_steps: int) -> None:

@@ -7,7 +7,12 @@ time; the period is the smallest H that keeps that share at most :data:`COMM_SHA
 
     H = ceil(T_x * (1 - COMM_SHARE) / (COMM_SHARE * T_s)),  clamped to [MIN_H, MAX_H],
 
-with ``T_s`` and ``T_x`` the medians of the last :data:`WINDOW` steps and exchanges. It starts at
+with ``T_s`` and ``T_x`` the medians of the last :data:`WINDOW` steps and exchanges. With overlap ``T_x`` is
+an exchange's whole time on its background thread (push, merge, pull), not the wait it leaves to the training
+thread: by the same rule an exchange then finishes well within the H steps it overlaps, and its CPU cost
+(encoding, the servers' step, on cores the local steps share) stays within the same share. Chosen from the
+wait instead, H fell to 1-2 on two emulated hosts and the background exchanges, always busy, slowed the steps
+they were meant to hide under (an epoch 2.7x longer than with H = 16). It starts at
 :data:`START_H`, is first chosen after :data:`FIRST_EXCHANGES` exchanges (the first pays start-up costs), and
 again whenever :meth:`SyncPeriod.retune` is called (at each epoch's end under Lightning).
 
@@ -88,12 +93,16 @@ class SyncPeriod:
         if self.auto:
             self._exchanging_since = self._clock()
 
-    def exchange_ended(self) -> None:
-        """An exchange ended: its time is measured and kept out of the next step's."""
+    def exchange_ended(self, seconds: float | None = None) -> None:
+        """An exchange ended: its time is measured and kept out of the next step's.
+
+        ``seconds``: the exchange's time measured elsewhere (an overlapped exchange's whole time on its
+        background thread), counted instead of the wall time since :meth:`exchange_started`.
+        """
         if not self.auto or self._exchanging_since is None:
             return
         now = self._clock()
-        self._exchanges.append(now - self._exchanging_since)
+        self._exchanges.append(now - self._exchanging_since if seconds is None else seconds)
         self._exchanging_since = None
         self._last_end = now
         self._seen_exchanges += 1

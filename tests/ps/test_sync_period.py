@@ -145,3 +145,34 @@ def test_local_updates_choose_the_period_from_real_times() -> None:
         assert math.isfinite(float(model.weight.detach().sum()))
     finally:
         client.close()
+
+
+def test_with_overlap_the_period_counts_the_whole_background_exchange_not_its_wait() -> None:
+    """Local steps of ~5 ms and an exchange of >= 60 ms on its background thread (the PS answers late, as over
+    a slow link). The wait an overlapped exchange leaves is ~0 once H steps cover it, so a period chosen from
+    the wait collapses to a few steps and the exchanges, always in flight, take the cores the steps need; from
+    the whole exchange, H covers it ~9 times over (the share rule), here about 100."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = LocalUpdates(torch.optim.SGD(model.parameters(), lr=1e-3), sync_every="auto", overlap=True)
+    client = opt.start_ps(PSConfig(mode="async"), list(model.named_parameters()))
+    real_step = client.step
+
+    def late_step(*args: object, **kwargs: object) -> None:
+        time.sleep(0.060)
+        real_step(*args, **kwargs)  # type: ignore[arg-type]
+
+    client.step = late_step  # type: ignore[method-assign]
+    try:
+        for _ in range(START_H * FIRST_EXCHANGES + 240):
+            model(torch.randn(4, 16)).square().mean().backward()
+            time.sleep(0.005)
+            opt.step()
+            opt.zero_grad()
+        chosen = opt.retune_sync_every()
+        assert opt.exchanges >= FIRST_EXCHANGES + 1
+        # 60 ms exchanges over steps of 5 ms (or up to ~20 ms on a loaded machine): H >= ceil(0.06*9/0.02) = 27
+        assert chosen >= 25, chosen
+        assert chosen >= ref_period(0.020, 0.060) - 2
+    finally:
+        client.close()

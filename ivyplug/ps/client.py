@@ -740,6 +740,9 @@ class PSClient:
                 if p.is_alive():
                     p.kill()
                     p.join(5)
+            for link in [topo.link, *(other for other in topo.others)]:
+                if link is not None and link.heartbeat is not None:  # the goodbye is said (or cannot be)
+                    link.heartbeat.stop()
         if err is not None:
             raise err
         if topo.owns_p2p_group:

@@ -113,6 +113,9 @@ class ServerLoop(threading.Thread):
         self.rendezvous = rendezvous
         self.bye_from: set[int] = set()
         self.error: BaseException | None = None
+        #: set (to why) when an ``ivyplug serve`` dropped this member for its silence: whatever it sends later
+        #: is refused with that text, and the loop ends
+        self.dropped: str | None = None
         self._state_blob = b""
         # (sender, shard) -> the buffer its pushes are received into. Reuse is safe: a shard takes a push
         # (sync keeps a copy) before its reply goes out, and a worker sends its next push to a shard only
@@ -219,6 +222,14 @@ class ServerLoop(threading.Thread):
                     )
                     for shard in self.shards.values():
                         shard.fail(exc)
+                return
+            if self.dropped is not None:  # it was silent too long and left; the others went on without it
+                self.error = PSProtocolError(self.dropped)
+                if header.kind in _WANTS_REPLY:
+                    try:
+                        self._reply_error(header.sender, header, self.dropped)
+                    except Exception as reply_exc:  # it is gone after all
+                        self._unanswered(header.sender, reply_exc)
                 return
             try:
                 if refusal is not None:

@@ -9,7 +9,12 @@ The service holds a ``TCPStore`` at its address; a worker (``PSConfig(servers="h
   one host, within ``timeout`` across hosts), never as a hang of everyone;
 * its first message is JOIN (job_description.py): the first worker of a job creates the shards from its
   description and values; a later worker must describe the same job, or is refused with the difference;
-* then the member's own server loop (server_loop.py) decodes its requests into calls on the shards.
+* then the member's own server loop (server_loop.py) decodes its requests into calls on the shards;
+* all along, the worker bumps a heartbeat counter in the store (service_link.Heartbeat). A member whose
+  counter has not moved for :func:`silence_bound` seconds (a cut link, a host down: its packets vanish, its
+  connection never closes) is dropped as if it had died: its batches go back to the queue, collectives go on
+  without it, and in sync mode the step fails with its name, instead of everyone waiting on it until their
+  own timeouts.
 
 The job outlives its workers: when all have left, a new run of the same model joining continues from the
 shards' state (a warm restart). With ``state_dir``, the shards are written there every ``snapshot_every``
@@ -37,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import auth, gloo_net, job_description, typed_state
+from ivyplug.ps import auth, gloo_net, job_description, service_link, typed_state
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
 from ivyplug.ps.dispatch import BatchQueue
 from ivyplug.ps.endpoints import InProcessEndpoint
@@ -50,6 +55,25 @@ from ivyplug.ps.transport import Channel, PSProtocolError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 JOB_FILE = "job.ivys"
+
+
+def silence_bound(timeout: float) -> float:
+    """Seconds without a heartbeat after which a service with ``timeout`` drops a member: a few seconds less
+    than ``timeout``, so that a worker waiting on the silent one (a collective, the batch queue, a sync step)
+    hears of it before its own wait of ``timeout`` ends."""
+    return timeout - min(5.0, timeout / 4)
+
+
+@dataclass
+class _Member:
+    """A member's liveness, watched by the service's watchdog thread."""
+
+    key: str  # its heartbeat counter in the store
+    peer: str | None  # where its gloo device listens (its host's address), as its hello said
+    slot: int | None = None  # set once it joined a job
+    loop: ServerLoop | None = None
+    beats: int = 0  # the counter when last read
+    heard: float = field(default_factory=time.monotonic)  # when the counter last moved
 
 
 class Traffic:
@@ -206,6 +230,7 @@ class PSService:
         self.job: Job | None = None
         self.slots: dict[int, int] = {}  # worker slot -> member number
         self.refused = 0
+        self._members: dict[int, _Member] = {}  # member number -> its liveness (guarded by _lock)
         self._threads: list[threading.Thread] = []
         # the store listens on a socket bound here (given a port, TCPStore alone listens on every interface)
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -229,7 +254,7 @@ class PSService:
         if saved is not None:
             self._resume(saved)
         self._publish()
-        for target, name in ((self._accept, "accept"), (self._tick, "status")):
+        for target, name in ((self._accept, "accept"), (self._tick, "status"), (self._watch, "watchdog")):
             t = threading.Thread(target=target, name=f"ivyplug-serve-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -390,6 +415,9 @@ class PSService:
                     self.refused += 1
                 self.log(f"ivyplug serve: refused member {member}: {reason}")
                 return
+            watched = _Member(f"{prefix}/{service_link.HEARTBEAT_KEY}", peer)
+            with self._lock:
+                self._members[member] = watched
             group = auth.pair_group(self.store, prefix, 0, self.timeout, self.host, peer)
             channel = Channel(group, 0, self.timeout)
             slot, job = self._join(member, channel)
@@ -405,18 +433,67 @@ class PSService:
                 traffic=self.traffic,
                 rendezvous=job.rendezvous,
             )
+            with self._lock:
+                watched.slot, watched.loop = slot, loop
             loop.run()  # on this thread: ends at the member's BYE, or when its pair breaks
             if loop.error is not None:
-                self._leave(slot, f"its connection broke ({loop.error})")
+                self._leave(slot, f"its connection broke ({loop.error})", member)
             else:
-                self._leave(slot, None)
+                self._leave(slot, None, member)
             slot = None
             with contextlib.suppress(PSProtocolError):
                 channel.flush(replies=True)
         except Exception as exc:  # a member's failure never ends the service
             self.log(f"ivyplug serve: member {member} ended: {type(exc).__name__}: {exc}")
             if slot is not None:
-                self._leave(slot, f"{type(exc).__name__}: {exc}")
+                self._leave(slot, f"{type(exc).__name__}: {exc}", member)
+        finally:
+            with self._lock:
+                self._members.pop(member, None)
+
+    def _watch(self) -> None:
+        """Drop every joined member whose heartbeat counter has not moved for :func:`silence_bound` seconds.
+
+        Its own store connection (the store client serialises operations, and member threads wait on the
+        service's own client during handshakes). Only members that beat at least once are watched: a worker of
+        an ivyplug version without heartbeats is dropped only when its connection breaks, as before.
+        """
+        bound = silence_bound(self.timeout)
+        host = "::1" if self.host == "::" else "127.0.0.1" if gloo_net.is_wildcard(self.host) else self.host
+        store: Any = None
+        while not self.closed.wait(min(0.25, bound / 8)):
+            with self._lock:
+                watched = list(self._members.items())
+            if not watched:
+                continue
+            try:
+                if store is None:
+                    store = dist.TCPStore(host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout))
+                counts = [int(store.add(m.key, 0)) for _, m in watched]
+            except (RuntimeError, OSError) as exc:  # its own store, on its own host: say so, try again
+                self.log(f"ivyplug serve: the heartbeat watchdog could not read the store: {exc}")
+                store = None
+                continue
+            now = time.monotonic()
+            for (member, m), count in zip(watched, counts, strict=True):
+                if count != m.beats:
+                    m.beats, m.heard = count, now
+                elif count > 0 and m.slot is not None and now - m.heard >= bound:
+                    self._drop(member, m, now - m.heard)
+
+    def _drop(self, member: int, m: _Member, silent: float) -> None:
+        """Member ``member`` fell silent: it leaves (its loop refuses whatever it sends later) and is unwatched."""
+        where = f"its host {m.peer}" if m.peer is not None else f"member {member}"
+        reason = (
+            f"no heartbeat from {where} for {silent:.1f} s (a cut link, a host down or a hung process; ivyplug "
+            f"serve's --timeout {self.timeout:g} s sets this bound to {silence_bound(self.timeout):g} s)"
+        )
+        with self._lock:
+            self._members.pop(member, None)
+        if m.loop is not None:
+            m.loop.dropped = f"this worker was dropped by ivyplug serve at {self.address}: {reason}"
+        assert m.slot is not None
+        self._leave(m.slot, reason, member)
 
     def _loopback_among_hosts(self, address: str) -> bool:
         """Whether ``address`` ("host:port") is loopback while this service listens beyond loopback."""
@@ -529,8 +606,12 @@ class PSService:
             shard.connect_peers({s: InProcessEndpoint(other) for s, other in shards.items() if s != shard.shard})
         return Job(desc, cfg, plan, spec, num_workers, shards, BatchQueue(num_workers))
 
-    def _leave(self, slot: int, reason: str | None) -> None:
+    def _leave(self, slot: int, reason: str | None, member: int | None = None) -> None:
+        """Worker ``slot`` left (``reason=None``) or is gone. ``member``: only if the slot is still that member's
+        (a member dropped for its silence whose connection breaks later, after another took its slot)."""
         with self._lock:
+            if member is not None and self.slots.get(slot) != member:
+                return
             self.slots.pop(slot, None)
             job = self.job
             left = len(self.slots)

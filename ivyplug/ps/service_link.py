@@ -2,15 +2,22 @@
 
 :func:`connect` meets the service at its store, proves the token (auth.py) and forms this worker's two-rank
 gloo group with it; it learns the service's shard count, from which the worker builds its plan.
+From then on a :class:`Heartbeat` thread bumps a counter in the service's store (on a connection of its own)
+every :func:`heartbeat_every` seconds: a worker that computes for a long time sends no request, and a
+service cannot tell it from one whose link is cut, so the service drops a member whose counter stopped
+(service.py), instead of letting its silence stall the others.
 :func:`join` then sends the job description and this worker's initial values (job_description.py): the
 first worker of a job creates the shards from them, a later one is checked against them.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -29,6 +36,69 @@ class PSJoinRefused(ValueError):
     """An ``ivyplug serve`` refused a worker's job (another model or optimizer, no free slot)."""
 
 
+#: the store key (under the member's secret pair prefix) a worker's heartbeat counter lives at
+HEARTBEAT_KEY = "beat"
+
+
+def heartbeat_every(timeout: float) -> float:
+    """Seconds between two heartbeats of a worker whose timeout is ``timeout``: often enough that a service
+    with that timeout notices a silent member well before a waiting worker's own timeout (service.py)."""
+    return max(0.1, min(1.0, timeout / 10))
+
+
+class Heartbeat(threading.Thread):
+    """Bumps ``prefix``/beat in the service's store every :func:`heartbeat_every` seconds until stopped.
+
+    Its own store connection: the store client serialises its operations, so a wait of the worker's on
+    ``link.store`` would delay the beats. A beat that fails (a cut link: the store client's timeout) is
+    retried on a new connection; the counter is only ever ``add``-ed, so a late answer cannot confuse it.
+    """
+
+    def __init__(self, host: str, port: int, prefix: str, timeout: float) -> None:
+        super().__init__(name="ivyplug-heartbeat", daemon=True)
+        self.host, self.port, self.key, self.timeout = host, port, f"{prefix}/{HEARTBEAT_KEY}", timeout
+        self.every = heartbeat_every(timeout)
+        self.stopped = threading.Event()
+        self.beats = 0
+
+    def run(self) -> None:
+        store: Any = None
+        while not self.stopped.is_set():
+            try:
+                if store is None:
+                    store = dist.TCPStore(
+                        self.host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout)
+                    )
+                store.add(self.key, 1)
+                self.beats += 1
+            except (RuntimeError, OSError):  # the service is unreachable now: try again on a new connection
+                store = None
+            self.stopped.wait(self.every)
+
+    def start(self) -> None:
+        _running.add(self)
+        super().start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+#: heartbeats not stopped yet: stopped at interpreter exit (see _stop_heartbeats)
+_running: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_heartbeats() -> None:
+    """Stop every heartbeat and let a beat in progress finish before the interpreter finalizes: a daemon thread
+    that returns from the store client's C++ code after that aborts the process ("terminate called")."""
+    beats = list(_running)
+    for beat in beats:
+        beat.stop()
+    deadline = time.monotonic() + 0.5  # a beat takes milliseconds; one on a cut link would hold the exit
+    for beat in beats:
+        beat.join(max(0.0, deadline - time.monotonic()))
+
+
 @dataclass
 class ServiceLink:
     """This worker's connection to an ``ivyplug serve``."""
@@ -44,18 +114,61 @@ class ServiceLink:
     created: bool = False
     #: the services that hold the job's shards: address, first shard, shard count (this one first)
     services: list[dict[str, Any]] = field(default_factory=list)
+    heartbeat: Heartbeat | None = None
 
 
-def _store(cfg: PSConfig) -> tuple[Any, str]:
+def _reach(host: str, port: int, deadline: float) -> str | None:
+    """Try TCP connections to ``host:port`` until one is accepted (None) or ``deadline`` passed (why not).
+
+    Before the store client: torch's TCPStore client tries a refused or unanswered connection once more after
+    its timeout, so on its own it names an unreachable service only after about twice the timeout.
+    """
+    last = ""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return last or "no answer"
+        try:
+            socket.create_connection((host, port), timeout=min(left, 2.0)).close()
+            return None
+        except OSError as exc:  # refused (not started yet, or not listening there), no route, no answer
+            last = "connection refused" if isinstance(exc, ConnectionRefusedError) else (exc.strerror or str(exc))
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def _store(cfg: PSConfig, within: float | None = None) -> tuple[Any, str]:
+    """A store client of the service at ``cfg.servers`` within ``within`` seconds (default ``cfg.timeout``),
+    else PSTimeoutError naming the address and why (refused, unreachable, silent)."""
     assert cfg.servers is not None
     host, port = parse_address(cfg.servers, "servers")
-    try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=cfg.timeout)), host
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    limit = cfg.timeout if within is None else within
+    deadline = time.monotonic() + limit
+
+    def failed(first: str) -> PSTimeoutError:
         why = gloo_net.why_unreachable(host, port)
-        text = f"no ivyplug serve answered at {cfg.servers} within {cfg.timeout:g} s: {why} ({first})"
-        raise PSTimeoutError(text) from exc
+        return PSTimeoutError(f"no ivyplug serve answered at {cfg.servers} within {limit:g} s: {why} ({first})")
+
+    problem = _reach(host, port, deadline)
+    if problem is not None:
+        raise failed(problem)
+    done: dict[str, Any] = {}
+
+    def build() -> None:  # reachable a moment ago; the client's own wait (and retry) is bounded below
+        try:
+            done["store"] = dist.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=max(0.1, deadline - time.monotonic()))
+            )
+        except BaseException as exc:  # handed to the caller below
+            done["error"] = exc
+
+    t = threading.Thread(target=build, name="ivyplug-store-connect", daemon=True)
+    t.start()
+    t.join(max(0.1, deadline - time.monotonic()) + 0.5)
+    if "store" in done:
+        return done["store"], host
+    exc = done.get("error")
+    text = str(exc).strip() if exc is not None else ""
+    raise failed(text.splitlines()[0] if text else "its store did not answer") from exc
 
 
 def _pair_within(store: Any, prefix: str, cfg: PSConfig, host: str, within: float | None = None) -> Any:
@@ -131,10 +244,23 @@ def connect(cfg: PSConfig) -> ServiceLink:
     store, host = _store(cfg)
     left = max(0.1, deadline - time.monotonic())
     member, prefix, verdict = auth.client_handshake(store, cfg.token, left, cfg.servers, address)
-    group = _pair_within(store, prefix, cfg, host, within=max(0.1, deadline - time.monotonic()))
+    heartbeat = Heartbeat(host, parse_address(cfg.servers, "servers")[1], prefix, cfg.timeout)
+    heartbeat.start()  # before the pair forms: the service counts a member's silence from its handshake
+    try:
+        group = _pair_within(store, prefix, cfg, host, within=max(0.1, deadline - time.monotonic()))
+    except BaseException:
+        heartbeat.stop()
+        raise
     services = [dict(x) for x in verdict.get("services", [])]
     return ServiceLink(
-        cfg.servers, store, group, Channel(group, 1, cfg.timeout), int(verdict["shards"]), member, services=services
+        cfg.servers,
+        store,
+        group,
+        Channel(group, 1, cfg.timeout),
+        int(verdict["shards"]),
+        member,
+        services=services,
+        heartbeat=heartbeat,
     )
 
 
@@ -159,5 +285,8 @@ def join(
 
 
 def close(link: ServiceLink) -> None:
-    """Drop the pair group (a group made outside ``init_process_group`` closes when it is released)."""
+    """Stop the heartbeat and drop the pair group (a group made outside ``init_process_group`` closes when it is
+    released)."""
+    if link.heartbeat is not None:
+        link.heartbeat.stop()
     link.group = None

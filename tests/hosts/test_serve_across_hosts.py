@@ -72,11 +72,10 @@ def test_a_serve_on_loopback_is_named_by_a_worker_on_another_host(emulated_hosts
     worker = service_worker(hosts, 1, f"{hosts[0].address}:29600", tmp_path / "c.json", "--timeout", "5")
     assert worker.finish(30) == 3, worker.text()
     result = json.loads((tmp_path / "c.json").read_text())
-    # PSClient.start's own wait (the interpreter's start-up and imports are not ivyplug's): torch's TCPStore client
-    # retries a refused connect once after its timeout, so a serve that never answers is named after about twice
-    # the timeout (measured: 9.7 s for timeout=5 on loopback, 12.1 s across the emulated hosts)
+    # PSClient.start's own wait (the interpreter's start-up and imports are not ivyplug's): within the timeout, not
+    # the twice the timeout torch's TCPStore client takes alone (it retries a refused connect after its timeout)
     print("PSClient.start waited", result["start_s"], "s")  # shown with -rA
-    assert result["start_s"] < 2 * 5 + 5, result
+    assert result["start_s"] < 5 + 2, result
     error = result["error"]
     for words in ("connection refused", "--host", "127.0.0.1", f"{hosts[0].address}:29600"):
         assert words in error, error

@@ -84,6 +84,26 @@ def test_sync_mode_a_killed_worker_ends_the_others_with_an_error_naming_it(tmp_p
         s.wait_for("is gone")
 
 
+def test_a_frozen_worker_is_dropped_for_its_silence_and_refused_when_it_wakes(tmp_path: Path) -> None:
+    """A worker frozen by SIGSTOP is silent with its connections open, as one behind a cut link: the serve drops
+    it once its heartbeat has stopped for the bound (timeout 6 s: 4.5 s), and what it sends after SIGCONT is
+    refused with that reason."""
+    with serve("--shards", "2", "--workers", "2", "--timeout", "6") as s, workers(tmp_path) as w:
+        w.start(s.address, "alive", "--steps", "80", "--sleep", "0.02", "--timeout", "6")
+        w.start(s.address, "frozen", "--steps", "1000", "--sleep", "0.02", "--timeout", "60", "--seed", "1")
+        s.wait_for("2 workers connected")
+        frozen = w.procs[1][0]
+        os.kill(frozen.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        line = s.wait_for("is gone: no heartbeat", 15)
+        waited = time.monotonic() - stopped
+        assert 4.5 - 1.0 <= waited <= 4.5 + 2.0, (waited, line)  # the bound, not the 60 s of its own timeout
+        os.kill(frozen.pid, signal.SIGCONT)
+        (rc, text), (rc2, text2) = w.wait(60)
+        assert rc == 0, text
+        assert rc2 != 0 and "was dropped by ivyplug serve" in text2 and "no heartbeat" in text2, text2[-3000:]
+
+
 def test_sigterm_ends_serve_cleanly_with_a_last_snapshot(tmp_path: Path) -> None:
     state = tmp_path / "state"
     args = ("--shards", "2", "--workers", "1", "--state-dir", str(state), "--snapshot-every", "600")

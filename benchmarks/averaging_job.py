@@ -212,6 +212,8 @@ def run_config(
         "bytes_measured": c["kind"] != "ddp",
         "bytes_per_sample": moved / samples,
         "link_bytes": link_moved if link is not None else None,
+        # every rank's PS counters (pushes, staleness, bytes, waits), as the workers logged them
+        "ps_metrics": {k: v for k, v in metrics.items() if k.startswith("ivy/")},
     }
 
 

@@ -170,7 +170,7 @@ class PSClient:
         self.layout = FlatLayout(self.plan, named_params, named_buffers)
         self.workers = WorkerGroup(rank, world_size, cfg.timeout)
         self._check_same_model()
-        job = topology.Job(
+        job = topology.WorkerJob(
             cfg, self.plan, self.spec, self.layout, rank, world_size, self.workers, self.stop, self.m.wire
         )
         if link is not None:

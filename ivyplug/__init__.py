@@ -7,7 +7,7 @@ registry is built on first use (``get_registry()``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ivyplug._lazy import LazyExports
 from ivyplug._version import __version__
@@ -34,10 +34,5 @@ def get_registry() -> Registry:
 
 _exports = LazyExports(__name__, globals(), _LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    return _exports.load(name)
-
-
-def __dir__() -> list[str]:
-    return _exports.names()
+__getattr__ = _exports.load
+__dir__ = _exports.names

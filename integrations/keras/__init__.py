@@ -8,7 +8,7 @@ neither Keras nor TensorFlow, and a name is imported from its module on first ac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ivyplug.integrations.keras import autoregister as _autoregister
 
@@ -41,10 +41,5 @@ _autoregister.register_on_import()
 
 _exports = LazyExports(__name__, globals(), _EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    return _exports.load(name)
-
-
-def __dir__() -> list[str]:
-    return _exports.names()
+__getattr__ = _exports.load
+__dir__ = _exports.names

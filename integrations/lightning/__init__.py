@@ -7,7 +7,7 @@ class is one line in ``_LAZY``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ivyplug._lazy import LazyExports
 
@@ -26,10 +26,5 @@ __all__ = sorted(_LAZY)
 
 _exports = LazyExports(__name__, globals(), _LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    return _exports.load(name)
-
-
-def __dir__() -> list[str]:
-    return _exports.names()
+__getattr__ = _exports.load
+__dir__ = _exports.names

@@ -7,7 +7,7 @@ Attributes load lazily (PEP 562), so that the registry can import :mod:`ivyplug.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ivyplug._lazy import LazyExports
 
@@ -33,10 +33,5 @@ _LAZY: dict[str, str] = {
 
 _exports = LazyExports(__name__, globals(), _LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    return _exports.load(name)
-
-
-def __dir__() -> list[str]:
-    return _exports.names()
+__getattr__ = _exports.load
+__dir__ = _exports.names

@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ivyplug._lazy import LazyExports
 from ivyplug.ps.config import MODES, STALENESS_SCALINGS, PSConfig
 
@@ -35,10 +33,5 @@ _LAZY = {
 
 _exports = LazyExports(__name__, globals(), _LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    return _exports.load(name)
-
-
-def __dir__() -> list[str]:
-    return _exports.names()
+__getattr__ = _exports.load
+__dir__ = _exports.names

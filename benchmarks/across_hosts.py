@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +77,68 @@ def run_job(hosts: Hosts, port: int, args: Sequence[str], timeout: float) -> dic
     return result
 
 
+#: (link rate, slowdown of host 1's worker, configs): one job of a round, run on one pair of hosts
+GridJob = tuple[str | None, float, list[str]]
+
+
+def read_selection(
+    bench: str, select: dict[str, list[str]], configs: Sequence[str], slowdown: float
+) -> tuple[list[str | None], list[float]]:
+    """The rates and slowdowns of a ``--select`` (keys ``rate``, ``slowdown``, ``config``, ``rounds``), its names
+    checked against ``RATES`` and ``configs``; both host benchmarks read it alike."""
+    unknown = sorted(set(select) - {"rate", "slowdown", "config", "rounds"})
+    if unknown:
+        raise ValueError(f"bench {bench}: unknown selection key(s) {unknown}; known: rate, slowdown, config, rounds")
+    names = {rate_name(r): r for r in RATES}
+    for r in select.get("rate", []):
+        if r not in names:
+            raise ValueError(f"bench {bench}: rate must be one of {sorted(names)}, got {r!r}")
+    for c in select.get("config", []):
+        if c not in configs:
+            raise ValueError(f"bench {bench}: config must be one of {tuple(configs)}, got {c!r}")
+    rates = [names[r] for r in select.get("rate", [rate_name(r) for r in RATES])]
+    return rates, [float(s) for s in select.get("slowdown", ["1", str(slowdown)])]
+
+
+def rates_at(slowdown: float, rates: list[str | None], slow_rate: str) -> list[str | None]:
+    """The rates a slowdown runs at: all of them without a slow worker; with one, ``slow_rate`` (else the last)."""
+    if slowdown == 1.0:
+        return rates
+    return [r for r in rates if r == slow_rate] or rates[-1:]
+
+
+def run_selection(
+    quick: bool,
+    quick_job: GridJob,
+    grid: Callable[[dict[str, list[str]]], list[GridJob]],
+    select: dict[str, list[str]] | None,
+    *,
+    rounds: int,
+    epochs: int,
+    optimizer: str,
+) -> dict[str, Any]:
+    """A host benchmark's results: its ``grid(select)`` for ``rounds`` rounds, or quick: ``quick_job`` once for
+    one epoch on a small training set (a smoke run)."""
+    if quick:
+        raw = run_rounds([quick_job], rounds=1, epochs=1, setting="digits", optimizer=optimizer, repeat=2, timeout=600)
+    else:
+        select = select or {}
+        rounds = int(select.get("rounds", [str(rounds)])[-1])
+        raw = run_rounds(grid(select), rounds=rounds, epochs=epochs, setting="digits", optimizer=optimizer)
+    return {
+        "quick": quick,
+        "select": select or {},
+        "optimizer": optimizer,
+        "skipped": raw["skipped"],
+        "runs": raw["runs"],
+        "rows": summarise(raw["runs"]),
+        "cpu_count": os.cpu_count(),
+        "loadavg_end": os.getloadavg(),
+    }
+
+
 def run_rounds(
-    jobs: Sequence[tuple[str | None, float, list[str]]],
+    jobs: Sequence[GridJob],
     *,
     rounds: int,
     epochs: int,

@@ -15,10 +15,9 @@ int8 end within 0.5 points of DDP's validation accuracy (mean of the seeds); wit
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from ivyplug.benchmarks.across_hosts import RATES, format_rows, rate_name, run_rounds, summarise
+from ivyplug.benchmarks.across_hosts import GridJob, format_rows, rates_at, read_selection, run_selection
 
 DESCRIPTION = "async averaging across 2 emulated hosts: int8/int4 deltas, overlap, sync_every='auto', vs DDP"
 
@@ -46,52 +45,23 @@ TARGETS = {
 }
 
 
-def grid(select: dict[str, list[str]]) -> list[tuple[str | None, float, list[str]]]:
+def grid(select: dict[str, list[str]]) -> list[GridJob]:
     """(rate, slowdown, configs) jobs of the selected subset (keys ``rate``, ``slowdown``, ``config``; ``rounds``
     sets how many rounds run)."""
-    unknown = sorted(set(select) - {"rate", "slowdown", "config", "rounds"})
-    if unknown:
-        raise ValueError(
-            f"bench averaging_hosts: unknown selection key(s) {unknown}; known: rate, slowdown, config, rounds"
-        )
-    names = {rate_name(r): r for r in RATES}
-    for r in select.get("rate", []):
-        if r not in names:
-            raise ValueError(f"bench averaging_hosts: rate must be one of {sorted(names)}, got {r!r}")
-    for c in select.get("config", []):
-        if c not in CONFIGS:
-            raise ValueError(f"bench averaging_hosts: config must be one of {CONFIGS}, got {c!r}")
-    rates = [names[r] for r in select.get("rate", [rate_name(r) for r in RATES])]
-    slowdowns = [float(s) for s in select.get("slowdown", ["1", str(SLOWDOWN)])]
-    jobs: list[tuple[str | None, float, list[str]]] = []
+    rates, slowdowns = read_selection("averaging_hosts", select, CONFIGS, SLOWDOWN)
+    jobs: list[GridJob] = []
     for slowdown in slowdowns:
         base = CONFIGS if slowdown == 1.0 else SLOW_CONFIGS
         configs = [c for c in base if c in select.get("config", base) or c == "ddp"]
-        for rate in rates if slowdown == 1.0 else [r for r in rates if r == SLOW_RATE] or rates[-1:]:
-            jobs.append((rate, slowdown, configs))
+        jobs += [(rate, slowdown, configs) for rate in rates_at(slowdown, rates, SLOW_RATE)]
     return jobs
 
 
 def run(quick: bool = False, select: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """Quick: one round on the unlimited link, DDP and H=4 int8 with overlap, 1 epoch (a smoke run)."""
-    if quick:
-        jobs: list[tuple[str | None, float, list[str]]] = [(None, 1.0, ["ddp", "avg/4/nesterov/int8/overlap"])]
-        raw = run_rounds(jobs, rounds=1, epochs=1, setting="digits", optimizer=OPTIMIZER, repeat=2, timeout=600)
-    else:
-        select = select or {}
-        rounds = int(select.get("rounds", [str(ROUNDS)])[-1])
-        raw = run_rounds(grid(select), rounds=rounds, epochs=EPOCHS, setting="digits", optimizer=OPTIMIZER)
-    return {
-        "quick": quick,
-        "select": select or {},
-        "optimizer": OPTIMIZER,
-        "targets": TARGETS,
-        "skipped": raw["skipped"],
-        "runs": raw["runs"],
-        "rows": summarise(raw["runs"]),
-        "cpu_count": os.cpu_count(),
-        "loadavg_end": os.getloadavg(),
-    }
+    quick_job: GridJob = (None, 1.0, ["ddp", "avg/4/nesterov/int8/overlap"])
+    results = run_selection(quick, quick_job, grid, select, rounds=ROUNDS, epochs=EPOCHS, optimizer=OPTIMIZER)
+    return {**results, "targets": TARGETS}
 
 
 def format_table(results: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from ivyplug.benchmarks.ps_job import EpochClock, digits, slow_down
+from ivyplug.benchmarks.ps_job import EpochClock, digits, quiet_trainer, slow_down
 from ivyplug.integrations.lightning.launchers import destroy_default_group
 from torch import nn
 from torch.utils.data import DataLoader
@@ -156,17 +156,11 @@ def run_config(
     train, val = digits(repeat)
     clock, acc = EpochClock(), AccuracyClock()
     model = AveragingMLP(hidden, slowdown, c["sync_every"], c["outer"], c["overlap"], optimizer)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=2 if nodes == 1 else 1,
         num_nodes=nodes,
         max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         callbacks=[clock, acc],
     )
     link_before = _link_bytes(link)

@@ -18,7 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from ivyplug.benchmarks.ps_job import slow_down
+from ivyplug.benchmarks.ps_job import quiet_trainer, slow_down
 from ivyplug.integrations.lightning import IvyLoadBalancer
 from ivyplug.integrations.lightning.launchers import destroy_default_group
 from sklearn.datasets import load_digits
@@ -106,17 +106,11 @@ def main() -> None:
         strategy: Any = IvyPSStrategy(mode="sync", timeout=300)
     else:
         strategy = "ddp" if args.strategy == "ddp" else "auto"
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=1 if args.strategy == "single" else 2,
         strategy=strategy,
         max_epochs=args.epochs,
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
     )
     trainer.fit(model)

@@ -15,10 +15,9 @@ made (they need Linux, root and iproute2).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from ivyplug.benchmarks.across_hosts import RATES, format_rows, rate_name, run_rounds, summarise
+from ivyplug.benchmarks.across_hosts import GridJob, format_rows, rates_at, read_selection, run_selection
 
 DESCRIPTION = "2 emulated hosts, unlimited / 1 Gbit/s / 100 Mbit/s links: DDP vs ivy_ps sync and async, fp32 and bf16"
 
@@ -29,49 +28,19 @@ ROUNDS, EPOCHS = 3, 4
 OPTIMIZER = "lamb"
 
 
-def grid(select: dict[str, list[str]]) -> list[tuple[str | None, float, list[str]]]:
+def grid(select: dict[str, list[str]]) -> list[GridJob]:
     """(rate, slowdown, configs) jobs: every rate without a slow worker, then 100 Mbit/s with one."""
-    unknown = sorted(set(select) - {"rate", "slowdown", "config", "rounds"})
-    if unknown:
-        raise ValueError(f"bench hosts: unknown selection key(s) {unknown}; known: rate, slowdown, config, rounds")
-    names = {rate_name(r): r for r in RATES}
-    for r in select.get("rate", []):
-        if r not in names:
-            raise ValueError(f"bench hosts: rate must be one of {sorted(names)}, got {r!r}")
-    for c in select.get("config", []):
-        if c not in CONFIGS:
-            raise ValueError(f"bench hosts: config must be one of {CONFIGS}, got {c!r}")
+    rates, slowdowns = read_selection("hosts", select, CONFIGS, SLOWDOWN)
     configs = list(select.get("config", CONFIGS))
     if "ddp" not in configs:
         configs.insert(0, "ddp")  # the reference of every ratio
-    rates = [names[r] for r in select.get("rate", [rate_name(r) for r in RATES])]
-    slowdowns = [float(s) for s in select.get("slowdown", ["1", str(SLOWDOWN)])]
-    jobs: list[tuple[str | None, float, list[str]]] = []
-    for slowdown in slowdowns:
-        for rate in rates if slowdown == 1.0 else [r for r in rates if r == SLOW_RATE] or rates[-1:]:
-            jobs.append((rate, slowdown, configs))
-    return jobs
+    return [(rate, slowdown, configs) for slowdown in slowdowns for rate in rates_at(slowdown, rates, SLOW_RATE)]
 
 
 def run(quick: bool = False, select: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """Quick: one round, the unlimited link, DDP and async bf16, 1 epoch on a small training set (a smoke run)."""
-    if quick:
-        jobs: list[tuple[str | None, float, list[str]]] = [(None, 1.0, ["ddp", "ivy_ps/bfloat16"])]
-        raw = run_rounds(jobs, rounds=1, epochs=1, setting="digits", optimizer=OPTIMIZER, repeat=2, timeout=600)
-    else:
-        select = select or {}
-        rounds = int(select.get("rounds", [str(ROUNDS)])[-1])
-        raw = run_rounds(grid(select), rounds=rounds, epochs=EPOCHS, setting="digits", optimizer=OPTIMIZER)
-    return {
-        "quick": quick,
-        "select": select or {},
-        "optimizer": OPTIMIZER,
-        "skipped": raw["skipped"],
-        "runs": raw["runs"],
-        "rows": summarise(raw["runs"]),
-        "cpu_count": os.cpu_count(),
-        "loadavg_end": os.getloadavg(),
-    }
+    quick_job: GridJob = (None, 1.0, ["ddp", "ivy_ps/bfloat16"])
+    return run_selection(quick, quick_job, grid, select, rounds=ROUNDS, epochs=EPOCHS, optimizer=OPTIMIZER)
 
 
 def format_table(results: dict[str, Any]) -> str:

@@ -115,6 +115,20 @@ def _strategy(name: str) -> Any:
     return IvyPSStrategy(mode="sync" if name.startswith("ivy_ps_sync") else "async", overlap_backward=True)
 
 
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    """A CPU ``Trainer`` that writes and prints nothing (no logger, checkpoint, progress bar, summary or sanity
+    validation), so that a benchmark's clock measures training alone; ``kwargs`` add to or override that."""
+    quiet: dict[str, Any] = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    return pl.Trainer(**{**quiet, **kwargs})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", required=True, choices=[*STRATEGIES, *OVERLAPPED])
@@ -131,16 +145,10 @@ def main() -> None:
     train, val = digits(args.repeat)
     clock = EpochClock()
     model = BenchMLP(args.slowdown, args.lr)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         strategy=_strategy(args.strategy),
-        accelerator="cpu",
         devices=2,
         max_epochs=args.epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         callbacks=[clock],
     )
     trainer.fit(model, DataLoader(train, batch_size=args.batch, shuffle=True), DataLoader(val, batch_size=512))

@@ -7,8 +7,9 @@ registry is built on first use (``get_registry()``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ivyplug._lazy import LazyExports
 from ivyplug._version import __version__
 
 if TYPE_CHECKING:
@@ -31,17 +32,7 @@ def get_registry() -> Registry:
     return _get()
 
 
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'ivyplug' has no attribute {name!r}")
-    import importlib
+_exports = LazyExports(__name__, globals(), _LAZY)
 
-    module_name, attr = target.split(":")
-    value = getattr(importlib.import_module(module_name), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__ = _exports.load
+__dir__ = _exports.names

@@ -8,10 +8,11 @@ neither Keras nor TensorFlow, and a name is imported from its module on first ac
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ivyplug.integrations.keras import autoregister as _autoregister
+
+from ivyplug._lazy import LazyExports
 
 if TYPE_CHECKING:
     from ivyplug.integrations.keras.async_lamb import AsyncLAMB as AsyncLAMB
@@ -38,14 +39,7 @@ __all__ = sorted(_EXPORTS)
 _autoregister.register_on_import()
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _EXPORTS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+_exports = LazyExports(__name__, globals(), _EXPORTS)
 
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__ = _exports.load
+__dir__ = _exports.names

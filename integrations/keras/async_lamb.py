@@ -35,7 +35,7 @@ import numpy as np
 from ivyplug.integrations.keras import autoregister as _autoregister
 from ivyplug.integrations.keras.lamb import LAMB
 
-from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
+from ivyplug.ps.config import PSConfig
 
 
 @keras.saving.register_keras_serializable(package="ivyplug")
@@ -155,25 +155,17 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         nonfinite: str | None = None,
         shared_memory: bool | None = None,
     ) -> None:
-        from ivyplug.settings import project_defaults
-        from ivyplug.settings import token as settings_token
-
         super().__init__()
-        project = project_defaults("ps")
-
-        def first(value: Any, key: str, default: Any) -> Any:
-            return value if value is not None else project.get(key, default)
-
-        self.config = PSConfig(
+        self.config = PSConfig.from_settings(
             mode=mode,
             staleness=staleness,
-            staleness_scaling=first(staleness_scaling, "staleness_scaling", "inverse"),
-            timeout=first(timeout, "timeout", DEFAULT_TIMEOUT_S),
-            servers=first(servers, "servers", None),
-            token=settings_token(token),
-            wire_dtype=first(wire_dtype, "wire_dtype", "float32"),
-            nonfinite=first(nonfinite, "nonfinite", "skip"),
-            shared_memory=first(shared_memory, "shared_memory", True),
+            staleness_scaling=staleness_scaling,
+            timeout=timeout,
+            servers=servers,
+            token=token,
+            wire_dtype=wire_dtype,
+            nonfinite=nonfinite,
+            shared_memory=shared_memory,
         )
         self.client: Any = None
         self._delta: Any = None

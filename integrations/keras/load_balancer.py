@@ -63,7 +63,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
 
     Args:
         dataset: the :class:`ElasticDataset` that feeds ``fit``; without one the callback only monitors.
-        probes: probe names from the registry (``"nvml"``, ``"psutil"``, ``"scripted"``...), ``{"name": ...,
+        probes: probe names from the registry (``"nvml"``, ``"psutil"``...), ``{"name": ...,
             **kwargs}`` dicts or probe objects (default: :data:`DEFAULT_PROBES`); a zero-argument callable returning
             them is accepted too (it cannot be written by ``get_config``).
         interval: seconds between probe reads on the background thread.

@@ -7,8 +7,9 @@ class is one line in ``_LAZY``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ivyplug._lazy import LazyExports
 
 if TYPE_CHECKING:
     from ivyplug.integrations.lightning.load_balancer import IvyLoadBalancer as IvyLoadBalancer
@@ -23,14 +24,7 @@ _LAZY: dict[str, str] = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+_exports = LazyExports(__name__, globals(), _LAZY)
 
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__ = _exports.load
+__dir__ = _exports.names

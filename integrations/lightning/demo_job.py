@@ -39,7 +39,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from ivyplug.benchmarks.ps_job import BenchMLP, EpochClock
+from ivyplug.benchmarks.ps_job import BenchMLP, EpochClock, quiet_trainer
 from ivyplug.integrations.lightning.launchers import destroy_default_group
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -186,16 +186,10 @@ def fit_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any] | None:
         # batch-size policy pinned (the global batch of the other runs): only the per-worker shares move
         balancer = IvyLoadBalancer(probes=[PsutilProbe(per_cpu=False)], adapt_batch_size=False)
         callbacks.append(balancer)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         strategy=build_strategy(spec.strategy),
-        accelerator="cpu",
         devices=2,
         max_epochs=args.epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
     )
     trainer.fit(

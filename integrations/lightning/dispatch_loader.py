@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+from ivyplug.integrations.lightning.share_sampler import loader_settings
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
@@ -460,20 +461,8 @@ def make_dispatch_loader(
         world_size=world_size,
         fetches_in_step=dataloader.num_workers == 0,
     )
-    kwargs: dict[str, Any] = {
-        "num_workers": dataloader.num_workers,
-        "collate_fn": dataloader.collate_fn,
-        "pin_memory": dataloader.pin_memory,
-        "timeout": dataloader.timeout,
-        "worker_init_fn": dataloader.worker_init_fn,
-        "multiprocessing_context": dataloader.multiprocessing_context,
-        "generator": dataloader.generator,
-        "persistent_workers": dataloader.persistent_workers,
-        "pin_memory_device": dataloader.pin_memory_device,
-    }
-    if dataloader.num_workers > 0:
-        kwargs["prefetch_factor"] = dataloader.prefetch_factor
-    return DispatchLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)  # type: ignore[arg-type]
+    settings = loader_settings(dataloader)
+    return DispatchLoader(dataloader.dataset, batch_sampler=batch_sampler, **settings)  # type: ignore[arg-type]
 
 
 def process_async_loader(

@@ -64,7 +64,7 @@ class IvyLoadBalancer(CoreState, Callback):
     names, defaults and meaning, so a config moves between them; ``balance_shares`` to ``seed`` are Lightning's own.
 
     Args:
-        probes: probe names from the registry (``"nvml"``, ``"psutil"``, ``"scripted"``...), ``{"name": ...,
+        probes: probe names from the registry (``"nvml"``, ``"psutil"``...), ``{"name": ...,
             **kwargs}`` dicts or probe objects (default: :data:`~ivyplug.load.probes.DEFAULT_PROBE_NAMES`); a
             zero-argument callable returning them is accepted too, for spawn.
         interval: seconds between probe reads on the background thread.

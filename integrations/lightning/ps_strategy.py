@@ -56,11 +56,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ivyplug.ps import gloo_net, typed_state
-from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
+from ivyplug.ps.config import PSConfig
 from ivyplug.ps.local_updates import LocalUpdates
 from ivyplug.ps.member_group import MemberGroup, bytes_tensor, tensor_bytes
-from ivyplug.settings import project_defaults
-from ivyplug.settings import token as settings_token
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +89,6 @@ def _release_default_group(launcher: Any) -> None:
 
 
 _EXIT_HOOK_INSTALLED = False
-
-
-def _first(*values: Any) -> Any:
-    """The first value that is not None (an argument, then a project default, then the built-in one)."""
-    return next(v for v in values if v is not None)
 
 
 class IvyPSStrategy(DDPStrategy):
@@ -194,20 +187,19 @@ class IvyPSStrategy(DDPStrategy):
                 "process_group_backend"
             )
         # None: [tool.ivyplug.ps] in pyproject.toml / IVYPLUG_PS_* (ivyplug.settings), else the built-in default
-        project = project_defaults("ps")
-        self.ps_config = PSConfig(
+        self.ps_config = PSConfig.from_settings(
             mode=mode,
             staleness=staleness,
-            staleness_scaling=_first(staleness_scaling, project.get("staleness_scaling"), "inverse"),
-            timeout=_first(timeout, project.get("timeout"), DEFAULT_TIMEOUT_S),
-            num_servers=_first(num_servers, project.get("num_servers"), 0),
+            staleness_scaling=staleness_scaling,
+            timeout=timeout,
+            num_servers=num_servers,
             max_shard_bytes=max_shard_bytes,
-            nonfinite=_first(nonfinite, project.get("nonfinite"), "skip"),
-            servers=servers if servers is not None else project.get("servers"),
-            token=settings_token(token),
-            wire_dtype=_first(wire_dtype, project.get("wire_dtype"), "float32"),
+            nonfinite=nonfinite,
+            servers=servers,
+            token=token,
+            wire_dtype=wire_dtype,
             overlap_backward=overlap_backward,
-            shared_memory=_first(shared_memory, project.get("shared_memory"), True),
+            shared_memory=shared_memory,
         )
         if start_method not in START_METHODS:
             raise ValueError(f"IvyPSStrategy.start_method must be one of {START_METHODS}, got {start_method!r}")

@@ -140,10 +140,10 @@ class ShareBatchSampler:
         return self.steps
 
 
-def rebuild_loader(loader: DataLoader, batch_sampler: ShareBatchSampler) -> DataLoader:
-    """A new ``DataLoader`` like ``loader`` but drawing batches from ``batch_sampler``."""
+def loader_settings(loader: DataLoader) -> dict[str, Any]:
+    """The keyword arguments that rebuild ``loader`` around another batch sampler: how it loads, collates and
+    pins, not what it draws (the balancer's share loader and the PS's dispatch loader both rebuild one)."""
     kwargs: dict[str, Any] = {
-        "batch_sampler": batch_sampler,
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
@@ -156,6 +156,13 @@ def rebuild_loader(loader: DataLoader, batch_sampler: ShareBatchSampler) -> Data
     }
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
+    return kwargs
+
+
+def rebuild_loader(loader: DataLoader, batch_sampler: ShareBatchSampler) -> DataLoader:
+    """A new ``DataLoader`` like ``loader`` but drawing batches from ``batch_sampler``."""
+    kwargs = loader_settings(loader)
+    kwargs["batch_sampler"] = batch_sampler
     if hasattr(loader, "in_order"):
         kwargs["in_order"] = loader.in_order
     return DataLoader(loader.dataset, **kwargs)

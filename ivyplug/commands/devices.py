@@ -56,8 +56,6 @@ def _probes(names: list[str] | None) -> list[tuple[str, Any, str | None]]:
     if names:
         entries = [registry.resolve("probe", n) for n in names]
     for entry in entries:
-        if entry.component.name == "scripted":
-            continue  # needs a trace: nothing to show live
         if not entry.available:
             rows.append((entry.name, None, entry.install_hint()))
             continue

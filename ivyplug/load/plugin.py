@@ -24,8 +24,3 @@ def ivyplug_probes() -> Iterator[Probe]:
         description="CUDA allocator reserved/peak bytes, alloc retries, OOM count",
     )
     yield Probe("psutil", "ivyplug.load.psutil_probe:PsutilProbe", description="host CPU and memory (psutil)")
-    yield Probe(
-        "scripted",
-        "ivyplug.load.scripted_probe:ScriptedProbe",
-        description="replays a given load trace (tests, demos)",
-    )

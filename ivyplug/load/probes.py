@@ -10,9 +10,12 @@ from ivyplug.load.probe import Probe
 
 log = logging.getLogger(__name__)
 
-#: Probes worth polling by default: they need no arguments (``scripted`` needs a trace). Both
-#: ``IvyLoadBalancer`` twins poll these when given no ``probes``.
+#: Probes worth polling by default: they need no arguments. Both ``IvyLoadBalancer`` twins poll these when
+#: given no ``probes``.
 DEFAULT_PROBE_NAMES: tuple[str, ...] = ("nvml", "torch_allocator", "psutil")
+
+#: The config name of a :class:`~ivyplug.load.scripted_probe.ScriptedProbe` (read by :func:`make_probe`).
+SCRIPTED = "scripted"
 
 
 def default_probes(names: tuple[str, ...] = DEFAULT_PROBE_NAMES) -> list[Probe]:
@@ -40,10 +43,17 @@ def make_probe(spec: str | Mapping[str, Any] | Probe) -> Probe:
     """A probe from a registry name, a ``{"name": ..., **kwargs}`` dict or a probe object (returned as is).
 
     Names and dicts let a load balancer's probes live in a config file (LightningCLI YAML, Keras ``get_config``).
+    ``{"name": "scripted", "trace": [...]}`` is a :class:`ScriptedProbe` (what :func:`probe_config` writes for
+    one): a tool for tests and demos, so it is not a registered component that ``ivyplug list`` would offer.
     """
     if isinstance(spec, Probe):
         return spec
     from ivyplug.registry import get_registry
+
+    if isinstance(spec, Mapping) and spec.get("name") == SCRIPTED:
+        from ivyplug.load.scripted_probe import ScriptedProbe
+
+        return ScriptedProbe(**{k: v for k, v in spec.items() if k != "name"})
 
     if isinstance(spec, str):
         return get_registry().get("probe", spec)()
@@ -62,7 +72,7 @@ def probe_config(spec: str | Mapping[str, Any] | Probe) -> str | dict[str, Any]:
     if isinstance(spec, Mapping):
         return dict(spec)
     if isinstance(spec, ScriptedProbe) and spec.clock is None:
-        return {"name": "scripted", "trace": spec.trace, "loop": spec.loop}
+        return {"name": SCRIPTED, "trace": spec.trace, "loop": spec.loop}
     raise ValueError(
         f"probe {spec!r} cannot be written to a config: pass probes by name or as {{'name': ..., **kwargs}} dicts"
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -163,12 +162,3 @@ class Sampler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def wait_for_samples(sampler: Sampler, count: int, timeout: float) -> None:
-    """Block until ``sampler`` has taken ``count`` samples; a clear error after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while sampler.samples < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"sampler took {sampler.samples} of {count} samples within {timeout} s")
-        time.sleep(0.005)

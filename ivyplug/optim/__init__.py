@@ -7,8 +7,9 @@ Attributes load lazily (PEP 562), so that the registry can import :mod:`ivyplug.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ivyplug._lazy import LazyExports
 
 if TYPE_CHECKING:
     from ivyplug.optim.async_lamb import AsyncLAMB
@@ -30,15 +31,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'ivyplug.optim' has no attribute {name!r}")
-    module_name, attr = target.split(":")
-    value = getattr(importlib.import_module(module_name), attr)
-    globals()[name] = value
-    return value
+_exports = LazyExports(__name__, globals(), _LAZY)
 
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__ = _exports.load
+__dir__ = _exports.names

@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ivyplug._lazy import LazyExports
 from ivyplug.ps.config import MODES, STALENESS_SCALINGS, PSConfig
 
 __all__ = [
@@ -33,14 +31,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ivyplug.ps' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+_exports = LazyExports(__name__, globals(), _LAZY)
 
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__ = _exports.load
+__dir__ = _exports.names

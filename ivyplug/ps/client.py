@@ -34,7 +34,7 @@ from ivyplug.ps.member_group import MemberGroup
 from ivyplug.ps.messages import BatchAsk, Header, Kind
 from ivyplug.ps.mirror import OptimizerSpec, is_elementwise
 from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in, nonfinite_in_parts
-from ivyplug.ps.shard import Shard, load_state_bytes
+from ivyplug.ps.shard import load_state_bytes
 from ivyplug.ps.sharding import ShardPlan, auto_max_shard_bytes, build_plan, tensor_specs
 from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
 from ivyplug.ps.wire_codec import BF16_OVERFLOW, BLOCK_BITS, Bf16Codec, BlockCodec
@@ -170,7 +170,7 @@ class PSClient:
         self.layout = FlatLayout(self.plan, named_params, named_buffers)
         self.workers = WorkerGroup(rank, world_size, cfg.timeout)
         self._check_same_model()
-        job = topology.Job(
+        job = topology.WorkerJob(
             cfg, self.plan, self.spec, self.layout, rank, world_size, self.workers, self.stop, self.m.wire
         )
         if link is not None:
@@ -249,11 +249,6 @@ class PSClient:
         """Worker slots of the servers: the job's size, or an ``ivyplug serve``'s ``--workers``."""
         link = self.topo.link
         return link.num_workers if link is not None else self.world_size
-
-    @property
-    def server(self) -> Shard | None:
-        """The shard this process serves (co-located topology), else None."""
-        return self.topo.local
 
     @property
     def server_procs(self) -> list[Any]:
@@ -675,11 +670,6 @@ class PSClient:
     def lost_ranks(self) -> list[int]:
         """Workers of this job that left it while it ran (servers outside the workers only)."""
         return list(self.workers.lost) if isinstance(self.workers, MemberGroup) else []
-
-    def server_versions(self) -> dict[int, int]:
-        """Version of the shard this rank serves (local, no communication)."""
-        assert self.topo.local is not None
-        return {self.topo.local.shard: self.topo.local.versions()[0]}
 
     def _check_open(self) -> None:
         if self.closed:

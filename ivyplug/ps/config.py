@@ -138,6 +138,27 @@ class PSConfig:
             raise ValueError(f"unknown PSConfig field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**kwargs)
 
+    @classmethod
+    def from_settings(cls, **overrides: Any) -> PSConfig:
+        """Build from the project's defaults (:mod:`ivyplug.settings`), as ``IvyPSStrategy`` and the Keras
+        ``AsyncLAMBExchange`` do, so that both frameworks read ``[tool.ivyplug.ps]`` / ``IVYPLUG_PS_*`` alike.
+
+        A keyword given as None that the settings know (``timeout``, ``num_servers``, ``servers``…) takes the
+        project's value, else the built-in default; a keyword not given takes the built-in default (a caller
+        that offers no ``num_servers`` never reads it); others are used as given. The token comes from code,
+        else ``$IVYPLUG_TOKEN`` (never a project file).
+        """
+        from ivyplug import settings
+
+        project = settings.project_defaults("ps")
+        defaults = {f.name: f.default for f in fields(cls)}
+        values = dict(overrides)
+        for key, value in overrides.items():
+            if value is None and key in settings.SECTIONS["ps"]:
+                values[key] = project.get(key, defaults.get(key))
+        values["token"] = settings.token(overrides.get("token"))
+        return cls.from_kwargs(**values)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for logging and hyperparameter saving); the token shows only whether one is set."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -37,14 +37,10 @@ class FlatLayout:
         plan: ShardPlan,
         params: Sequence[tuple[str, torch.Tensor]],
         buffers: Sequence[tuple[str, torch.Tensor]],
-        staging: bool | None = None,
     ) -> None:
-        """``staging``: pack and unpack a shard through one flat buffer on its tensors' device — None: where
-        they all live on one CUDA device; True: on any device (the CPU too); False: never (per piece)."""
         self.plan = plan
         self.params = list(params)
         self.buffers = list(buffers)
-        self.staging = staging
         self._push_bufs: dict[int, torch.Tensor] = {}
         self._staged: dict[tuple[int, str], torch.Tensor] = {}  # (shard, "push"/"reply") -> flat on the device
         self.float_ranges = [plan.float_ranges(s) for s in range(plan.num_shards)]
@@ -83,14 +79,13 @@ class FlatLayout:
         return out
 
     def staging_device(self, shard: int) -> torch.device | None:
-        """The device ``shard`` is packed and unpacked on through one flat buffer (see ``staging``), else None."""
-        if self.staging is False:
-            return None
+        """The CUDA device ``shard`` is packed and unpacked on through one flat buffer (where all its tensors
+        live on that one device: one transfer per shard, see the module docstring), else None (piece by piece)."""
         devices = {self.tensor(p.index).device for p in self.plan.pieces[shard]}
         if len(devices) != 1:
             return None
         device = devices.pop()
-        return device if self.staging or device.type == "cuda" else None
+        return device if device.type == "cuda" else None
 
     def host_buffer(self, numel: int, shard: int) -> torch.Tensor:
         """An fp32 host buffer for ``shard``'s payloads: pinned where the shard is staged on CUDA (its copies

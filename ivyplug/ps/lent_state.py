@@ -112,8 +112,3 @@ class LentState:
         self._current = target
         self.moves += 1
         return True
-
-    @property
-    def buffer_count(self) -> int:
-        """Buffers held: the current one and those lent out or kept spare (memory is this x the shard size)."""
-        return 1 + len(self._spare)

@@ -9,7 +9,7 @@ with their own tags. Payloads are plain tensors (fp32 data, fp64 hyperparameters
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -92,7 +92,10 @@ BLOCK_FLAGS = {8: Flag.INT8, 4: Flag.INT4}
 
 @dataclass
 class Header:
-    """Decoded header. ``arg0..arg3`` meaning depends on ``kind`` (documented at each use)."""
+    """Decoded header. ``arg0..arg3`` meaning depends on ``kind`` (documented at each use).
+
+    The fields travel in the order they are declared here, after the magic and the wire version.
+    """
 
     kind: int
     sender: int
@@ -110,22 +113,7 @@ class Header:
     def encode(self, out: torch.Tensor | None = None) -> torch.Tensor:
         t = out if out is not None else torch.empty(HEADER_LEN, dtype=torch.int64)
         t.zero_()
-        vals = [
-            MAGIC,
-            WIRE_VERSION,
-            self.kind,
-            self.sender,
-            self.shard,
-            self.numel,
-            self.n_hyper,
-            self.seq,
-            self.status,
-            self.flags,
-            self.arg0,
-            self.arg1,
-            self.arg2,
-            self.arg3,
-        ]
+        vals = [MAGIC, WIRE_VERSION, *(getattr(self, name) for name in _WIRE_ORDER)]
         t[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
         return t
 
@@ -139,20 +127,11 @@ class Header:
                 f"PS protocol error: peer speaks wire version {v[1]}, this process speaks {WIRE_VERSION} "
                 "(mixed ivyplug versions in one job?)"
             )
-        return Header(
-            kind=v[2],
-            sender=v[3],
-            shard=v[4],
-            numel=v[5],
-            n_hyper=v[6],
-            seq=v[7],
-            status=v[8],
-            flags=v[9],
-            arg0=v[10],
-            arg1=v[11],
-            arg2=v[12],
-            arg3=v[13],
-        )
+        return Header(*v[2 : 2 + len(_WIRE_ORDER)])
+
+
+#: the header's fields in their wire order (after the magic and the version)
+_WIRE_ORDER = tuple(f.name for f in fields(Header))
 
 
 def float_arg(value: float) -> int:

@@ -163,8 +163,9 @@ class Rendezvous:
 
 
 @dataclass
-class Job:
-    """The model the shards hold: what the first worker described, and the shards built from it."""
+class ServedJob:
+    """A job as an ``ivyplug serve`` holds it: what its first worker described, the shards built from it, and
+    the batch queue, rendezvous and stop flag its workers share."""
 
     description: dict[str, Any]
     cfg: PSConfig
@@ -227,7 +228,7 @@ class PSService:
         self.closed = threading.Event()
         self.emptied = threading.Event()  # set when the last worker left (a dedicated service then ends)
         self._lock = threading.Lock()  # guards job, slots, members (membership; shards guard themselves)
-        self.job: Job | None = None
+        self.job: ServedJob | None = None
         self.slots: dict[int, int] = {}  # worker slot -> member number
         self.refused = 0
         self._members: dict[int, _Member] = {}  # member number -> its liveness (guarded by _lock)
@@ -517,7 +518,7 @@ class PSService:
             return str(exc)
         return None
 
-    def _join(self, member: int, channel: Channel) -> tuple[int | None, Job | None]:
+    def _join(self, member: int, channel: Channel) -> tuple[int | None, ServedJob | None]:
         """Receive the member's JOIN; create the job, or check it matches; give it a slot."""
         h = channel.recv_request_header(1, timeout=self.timeout)  # a member that pairs must JOIN at once
         if h.kind != Kind.JOIN or h.n_hyper != 0 or not 0 < h.arg0 <= MAX_BLOB_BYTES or h.numel != (h.arg0 + 3) // 4:
@@ -550,7 +551,7 @@ class PSService:
         self.log(f"ivyplug serve: worker {slot} joined (member {member}; {self.members()} connected)")
         return slot, job
 
-    def _admit(self, member: int, blob: dict[str, Any], want: int, job_size: int) -> tuple[int, bool, Job]:
+    def _admit(self, member: int, blob: dict[str, Any], want: int, job_size: int) -> tuple[int, bool, ServedJob]:
         """The slot for a joining worker, under the membership lock (ValueError: refused, with why)."""
         desc = blob["job"]
         with self._lock:
@@ -588,7 +589,7 @@ class PSService:
             self._publish()
         return slot, created, job
 
-    def _build(self, desc: dict[str, Any], num_workers: int, values: Any, total: int | None = None) -> Job:
+    def _build(self, desc: dict[str, Any], num_workers: int, values: Any, total: int | None = None) -> ServedJob:
         """The shards this service holds of the job (all of them, or its range of a job on several services)."""
         total = self.num_shards if total is None else total
         if not self.first + self.num_shards <= total:
@@ -604,7 +605,7 @@ class PSService:
             shards[s] = Shard(s, plan, cfg, num_workers, spec, init)
         for shard in shards.values():
             shard.connect_peers({s: InProcessEndpoint(other) for s, other in shards.items() if s != shard.shard})
-        return Job(desc, cfg, plan, spec, num_workers, shards, BatchQueue(num_workers))
+        return ServedJob(desc, cfg, plan, spec, num_workers, shards, BatchQueue(num_workers))
 
     def _leave(self, slot: int, reason: str | None, member: int | None = None) -> None:
         """Worker ``slot`` left (``reason=None``) or is gone. ``member``: only if the slot is still that member's

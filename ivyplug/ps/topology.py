@@ -40,8 +40,8 @@ from ivyplug.ps.worker_group import WorkerGroup
 
 
 @dataclass(frozen=True)
-class Job:
-    """What every topology builder needs of the worker's side of the job."""
+class WorkerJob:
+    """A job as one worker sees it: what every topology builder needs to reach (or start) the shards."""
 
     cfg: PSConfig
     plan: ShardPlan
@@ -73,7 +73,7 @@ class Topology:
     others: list[ServiceLink] = field(default_factory=list)  # further services holding shards of the job
 
 
-def colocated(job: Job) -> Topology:
+def colocated(job: WorkerJob) -> Topology:
     cfg, plan, layout, workers, stats = job.cfg, job.plan, job.layout, job.workers, job.stats
     rank, world_size = job.rank, job.world_size
     channel = None
@@ -108,7 +108,7 @@ def colocated(job: Job) -> Topology:
     return topo
 
 
-def dedicated(job: Job) -> Topology:
+def dedicated(job: WorkerJob) -> Topology:
     """Rank 0 starts the job's own ``ivyplug serve`` (dedicated.py); then every worker joins it (external)."""
     cfg, rank, workers = job.cfg, job.rank, job.workers
     host = ps_host()
@@ -137,7 +137,7 @@ def dedicated(job: Job) -> Topology:
     return topo
 
 
-def external(job: Job, link: ServiceLink) -> Topology:
+def external(job: WorkerJob, link: ServiceLink) -> Topology:
     """The shards of an ``ivyplug serve`` (service.py), reached over this worker's own pair group.
 
     Rank 0 joins first, so that a new job's shards start from rank 0's values; then the other ranks. A job

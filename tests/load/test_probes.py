@@ -7,6 +7,7 @@ import pytest
 import ivyplug
 from ivyplug.load import Probe, PsutilProbe, ScriptedProbe, TorchAllocatorProbe, default_probes
 from ivyplug.load.device_choice import least_loaded
+from ivyplug.load.probes import make_probe, probe_config
 
 
 def test_torch_allocator_probe_on_cpu_reports_only_the_oom_count() -> None:
@@ -58,10 +59,13 @@ def test_scripted_probe_replays_holds_loops_and_follows_a_clock() -> None:
 def test_registry_provides_the_probes() -> None:
     registry = ivyplug.get_registry()
     names = registry.names("probe")
-    for name in ("nvml", "psutil", "scripted"):
+    for name in ("nvml", "psutil"):
         assert name in names
+    assert "scripted" not in names  # a test and demo tool, not a built-in component
     assert registry.resolve("probe", "torch_allocator").name == "torch.torch_allocator"
-    assert registry.get("probe", "scripted") is ScriptedProbe
+    scripted = make_probe({"name": "scripted", "trace": [{"util": 1.0}], "loop": True})
+    assert isinstance(scripted, ScriptedProbe) and scripted.loop
+    assert probe_config(scripted) == {"name": "scripted", "trace": [{"util": 1.0}], "loop": True}
     kinds = {type(p).__name__ for p in default_probes()}
     assert {"NvmlProbe", "TorchAllocatorProbe", "PsutilProbe"} <= kinds
 

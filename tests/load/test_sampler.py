@@ -8,7 +8,6 @@ import time
 import pytest
 
 from ivyplug.load import Sampler, ScriptedProbe
-from ivyplug.load.sampler import wait_for_samples
 
 
 class ThreadRecorder:
@@ -44,6 +43,15 @@ class Unavailable(ThreadRecorder):
 
     def read(self) -> dict[str, float]:
         raise AssertionError("an unavailable probe must not be read")
+
+
+def wait_for_samples(sampler: Sampler, count: int, timeout: float) -> None:
+    """Block until ``sampler`` has taken ``count`` samples; a clear error after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while sampler.samples < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"sampler took {sampler.samples} of {count} samples within {timeout} s")
+        time.sleep(0.005)
 
 
 def test_reads_off_the_training_thread_and_stops() -> None:

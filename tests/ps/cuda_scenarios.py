@@ -12,6 +12,7 @@ from ivyplug.ps import PSClient, PSConfig
 from ivyplug.ps.endpoints import WireEndpoint
 from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.sharding import build_plan, tensor_specs
+from tests.ps.introspection import force_staging
 from tests.ps.scenarios import batch, mlp
 
 SIZES = [3, 5]
@@ -44,14 +45,15 @@ def staged_layout() -> dict[str, Any]:
     return out
 
 
-def fit(rank: int, mode: str, device: str, staging: bool | None) -> dict[str, Any]:
+def fit(rank: int, mode: str, device: str, per_piece: bool = False) -> dict[str, Any]:
     model = mlp(seed=rank + 3).to(device)
     # SGD: its update is linear in the gradient, so CPU and CUDA rounding stay as close as the gradients are
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     client = PSClient.start(
         PSConfig(mode=mode, timeout=60.0), list(model.named_parameters()), list(model.named_buffers()), opt
     )
-    client.layout.staging = staging
+    if per_piece:  # the CUDA tensors copied one by one, to compare the staged path against
+        force_staging(client.layout, False)
     client.pull_initial()
     dist.barrier()
     try:
@@ -80,6 +82,6 @@ def fit(rank: int, mode: str, device: str, staging: bool | None) -> dict[str, An
 def session(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in ("sync", "async"):
-        out[mode] = {"staged": fit(rank, mode, "cuda:0", None), "per_piece": fit(rank, mode, "cuda:0", False)}
-    out["sync"]["cpu"] = fit(rank, "sync", "cpu", None)
+        out[mode] = {"staged": fit(rank, mode, "cuda:0"), "per_piece": fit(rank, mode, "cuda:0", per_piece=True)}
+    out["sync"]["cpu"] = fit(rank, "sync", "cpu")
     return out

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ivyplug.ps import PSClient, PSConfig
+from tests.ps.introspection import held_buffers, local_shard
 from tests.ps.scenarios import batch, mlp
 
 STEPS = 8
@@ -38,9 +39,9 @@ def fit(rank: int, world: int, mode: str, cfg: dict[str, Any] | None = None) -> 
                         client.step(8)
                     dist.barrier()
         dist.barrier()  # both ranks have their last replies: each server has sent the other's (and keeps it)
-        shard = client.server
-        assert shard is not None and client.topo.channel is not None
-        moves, buffers = shard.flat.moves, shard.flat.buffer_count
+        shard = local_shard(client)
+        assert client.topo.channel is not None
+        moves, buffers = shard.flat.moves, held_buffers(shard.flat)
         kept = {f"{dst}/{stream}": len(v) for (dst, stream), v in client.topo.channel._replies.items()}
         client.sync()  # every push landed, then both ranks pull the same version
         return {

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +46,22 @@ def test_good_configs() -> None:
 def test_config_import_is_torch_free() -> None:
     code = "import sys, ivyplug.ps; ivyplug.ps.PSConfig(mode='sync'); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_from_settings_fills_only_the_keywords_given_as_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Project defaults fill a None the caller passed; a keyword not passed keeps the built-in default."""
+    for name in ("IVYPLUG_PS_TIMEOUT", "IVYPLUG_PS_NUM_SERVERS", "IVYPLUG_PS_NONFINITE", "IVYPLUG_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "pyproject.toml").write_text('[tool.ivyplug.ps]\ntimeout = 300\nnum_servers = 2\nnonfinite = "raise"\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("IVYPLUG_PS_TIMEOUT", "42")
+    cfg = PSConfig.from_settings(mode="sync", timeout=None, nonfinite=None, staleness=None)
+    assert (cfg.mode, cfg.timeout, cfg.nonfinite, cfg.staleness) == ("sync", 42.0, "raise", None)
+    assert cfg.num_servers == 0 and cfg.token is None  # not asked for: the built-in default
+    assert PSConfig.from_settings(num_servers=None).num_servers == 2
+    assert PSConfig.from_settings(timeout=7.0, nonfinite="skip").timeout == 7.0
+    monkeypatch.setenv("IVYPLUG_TOKEN", "secret")
+    assert PSConfig.from_settings().token == "secret"
+    assert PSConfig.from_settings(token="mine").token == "mine"
+    with pytest.raises(ValueError, match="unknown PSConfig field"):
+        PSConfig.from_settings(timeot=None)

@@ -1,15 +1,14 @@
 """FlatLayout: packing a shard's gradients and buffers, unpacking a reply; through one staged flat buffer
-(the CUDA path, exercised here on the CPU with ``staging=True``) exactly as piece by piece."""
+(the CUDA path, forced here on the CPU by ``force_staging``) exactly as piece by piece."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 import torch
 
 from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.sharding import build_plan, tensor_specs
+from tests.ps.introspection import force_staging
 
 
 def _model(seed: int) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
@@ -28,11 +27,11 @@ def _model(seed: int) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, t
     return params, buffers
 
 
-def _layouts(**kw: Any) -> tuple[FlatLayout, FlatLayout]:
+def _layouts() -> tuple[FlatLayout, FlatLayout]:
     (p1, b1), (p2, b2) = _model(0), _model(0)
     plan = build_plan(tensor_specs(p1, b1), 2, max_shard_bytes=4 * 64 * 20)
     assert plan.split_tensors()  # the row blocks of "big" are on both shards
-    return FlatLayout(plan, p1, b1, staging=False, **kw), FlatLayout(plan, p2, b2, staging=True, **kw)
+    return force_staging(FlatLayout(plan, p1, b1), False), force_staging(FlatLayout(plan, p2, b2), True)
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.5])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ivyplug.ps import PSClient, PSConfig
+from tests.ps.introspection import local_shard
 from tests.ps.scenarios import batch, make_opt, mlp
 
 
@@ -173,8 +174,9 @@ def test_hyperparameters_follow_the_worker_optimizer() -> None:
     x, y = batch(0, 4)
     torch.nn.functional.mse_loss(model(x), y).backward()
     client.step(4)
-    assert client.server is not None and client.server.optimizer is not None
-    groups = client.server.optimizer.param_groups
+    server = local_shard(client)
+    assert server.optimizer is not None
+    groups = server.optimizer.param_groups
     assert [g["lr"] for g in groups] == [0.25, 0.1] and [g["momentum"] for g in groups] == [0.5, 0.0]
 
 
@@ -312,8 +314,9 @@ def test_hyperparameters_still_follow_the_worker_optimizer_after_load_state_dict
     model.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     client.step(4)
-    assert client.server is not None and client.server.optimizer is not None
-    assert [g["lr"] for g in client.server.optimizer.param_groups] == [0.05]
+    server = local_shard(client)
+    assert server.optimizer is not None
+    assert [g["lr"] for g in server.optimizer.param_groups] == [0.05]
 
 
 def test_nonfinite_raise_names_the_rank_the_step_and_the_first_tensor() -> None:
@@ -327,7 +330,7 @@ def test_nonfinite_raise_names_the_rank_the_step_and_the_first_tensor() -> None:
     list(model.parameters())[2].grad[0, 0] = float("nan")
     with pytest.raises(PSNonFiniteError, match=r"rank 0, step 1: non-finite values in the gradient of '2\.weight'"):
         client.step(8)
-    assert client.server is not None and client.server.version == 0  # nothing was pushed
+    assert local_shard(client).version == 0  # nothing was pushed
     for got, want in zip(model.parameters(), before, strict=True):
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
     client.close()

@@ -156,6 +156,8 @@ def record_exchanges() -> None:
     import ivyplug.integrations.keras as ivy_keras
     from ivyplug.integrations.keras.async_lamb import AsyncLAMBExchange
 
+    from tests.ps.introspection import local_shard
+
     out, rank = sys.argv[1], int(os.environ["RANK"])
 
     class RecordingExchange(AsyncLAMBExchange):
@@ -163,7 +165,7 @@ def record_exchanges() -> None:
             initial = [np.array(v.numpy(), dtype=np.float32) for v in self.model.trainable_variables]
             super().on_train_begin(logs)
             client, params = self.client, self._delta.params
-            server = client.server
+            server = local_shard(client)
             self.record = {
                 "rank": rank,
                 "initial": initial,  # rank 0's are the servers' starting copy

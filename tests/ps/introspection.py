@@ -1,0 +1,38 @@
+"""What tests read inside a running PS that the shipped API does not expose: the in-process shard a client
+serves, the buffers a shard's state holds, a layout forced onto or off its staged path."""
+
+from __future__ import annotations
+
+import torch
+
+from ivyplug.ps import PSClient
+from ivyplug.ps.layout import FlatLayout
+from ivyplug.ps.lent_state import LentState
+from ivyplug.ps.shard import Shard
+
+
+def local_shard(client: PSClient) -> Shard:
+    """The shard ``client``'s process serves in-process (co-located topology), reached through its topology."""
+    shard = client.topo.local
+    assert shard is not None, "this client serves no shard in-process (dedicated or remote servers)"
+    return shard
+
+
+def held_buffers(state: LentState) -> int:
+    """Buffers ``state`` holds: the current one and those lent out or kept spare (memory = this x the shard)."""
+    return 1 + len(state._spare)
+
+
+def force_staging(layout: FlatLayout, staged: bool) -> FlatLayout:
+    """Make ``layout`` pack and unpack every shard through one flat buffer on its tensors' device (``staged``:
+    the CUDA path, on any device, the CPU too) or always piece by piece (not ``staged``)."""
+    plain = layout.staging_device
+
+    def staging_device(shard: int) -> torch.device | None:
+        if not staged:
+            return None
+        devices = {layout.tensor(p.index).device for p in layout.plan.pieces[shard]}
+        return devices.pop() if len(devices) == 1 else plain(shard)
+
+    setattr(layout, "staging_device", staging_device)  # noqa: B010 (an instance override, not an attribute)
+    return layout

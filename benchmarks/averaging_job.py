@@ -33,7 +33,7 @@ from ivyplug.integrations.lightning.launchers import destroy_default_group
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ivyplug.ps.sync_period import SyncEvery
+from ivyplug.localsgd.sync_period import SyncEvery
 
 #: setting -> (hidden width, per-worker batch, training-set repeats)
 SETTINGS: dict[str, tuple[int, int, int]] = {"digits": (1024, 256, 32), "wide": (2048, 16, 1)}

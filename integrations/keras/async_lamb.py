@@ -2,7 +2,7 @@
 
 The twin of :class:`ivyplug.optim.AsyncLAMB`: each worker takes ``sync_every`` local LAMB steps from the
 global copy it last pulled, pushes its delta, and the servers merge it with the outer optimizer chosen by
-``outer`` (:mod:`ivyplug.ps.delta_exchange`; by default ``"average"``: ``x ← x + merge_rate · Δ``, merge_rate 1
+``outer`` (:mod:`ivyplug.localsgd.delta_exchange`; by default ``"average"``: ``x ← x + merge_rate · Δ``, merge_rate 1
 in sync mode and 1/num_workers in async/ssp; ``"nesterov"`` and ``"lamb"`` as for the torch AsyncLAMB, built by
 the same code).
 
@@ -45,10 +45,10 @@ class AsyncLAMB(LAMB):
     Args: :class:`~ivyplug.integrations.keras.LAMB`'s, plus ``sync_every`` (local steps between two
     exchanges, >= 1, or ``"auto"``: chosen by each worker from its measured step and exchange times, re-chosen
     at every epoch's end), ``overlap`` (run each exchange in the background while local steps go on; the rule
-    is ``ivyplug.ps.delta_exchange``'s), ``merge_rate (``outer="average"``; ``None``: 1.0 in sync mode, 1/num_workers in
-    async/ssp) and the outer optimizer's ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_momentum_every``
-    (names, defaults and meaning as for :class:`ivyplug.optim.AsyncLAMB`; ``outer="lamb"`` clips its trust
-    ratio to ``max_trust_ratio``). The exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
+    is ``ivyplug.localsgd.delta_exchange``'s), ``merge_rate (``outer="average"``; ``None``: 1.0 in sync mode,
+    1/num_workers in async/ssp) and the outer optimizer's ``outer``, ``outer_lr``, ``outer_momentum``,
+    ``outer_momentum_every`` (names, defaults and meaning as for :class:`ivyplug.optim.AsyncLAMB`; ``outer="lamb"``
+    clips its trust ratio to ``max_trust_ratio``). The exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
 
     Example:
         >>> import keras
@@ -75,9 +75,9 @@ class AsyncLAMB(LAMB):
         **kwargs: Any,
     ) -> None:
         # Imported here, not at the top: Keras imports this module to register the class (see
-        # .autoregister), and ivyplug.ps.delta_exchange loads torch.
-        from ivyplug.ps.delta_exchange import OuterRule, check_merge_rate, check_overlap
-        from ivyplug.ps.sync_period import check_sync_period
+        # .autoregister), and ivyplug.localsgd.delta_exchange loads torch.
+        from ivyplug.localsgd.delta_exchange import OuterRule, check_merge_rate, check_overlap
+        from ivyplug.localsgd.sync_period import check_sync_period
 
         sync_every = check_sync_period(sync_every)
         overlap = check_overlap(overlap)
@@ -93,8 +93,8 @@ class AsyncLAMB(LAMB):
         self.outer_momentum_every = rule.outer_momentum_every
 
     def outer_rule(self) -> Any:
-        """The :class:`ivyplug.ps.delta_exchange.OuterRule` the servers merge this optimizer's deltas with."""
-        from ivyplug.ps.delta_exchange import OuterRule
+        """The :class:`ivyplug.localsgd.delta_exchange.OuterRule` the servers merge this optimizer's deltas with."""
+        from ivyplug.localsgd.delta_exchange import OuterRule
 
         return OuterRule(
             self.outer,
@@ -172,7 +172,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._variables: list[Any] = []
         self._tensors: list[Any] = []
         self._local = 0
-        self._period: Any = None  # the current local steps per exchange (ivyplug.ps.sync_period.SyncPeriod)
+        self._period: Any = None  # the current local steps per exchange (ivyplug.localsgd.sync_period.SyncPeriod)
         self._overlap = False
         self._own_group = False
         self._in_fit = False
@@ -204,7 +204,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
                     f"AsyncLAMBExchange: WORLD_SIZE={world} but {missing} not set; start the workers with torchrun "
                     "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
                 )
-            from ivyplug.ps import gloo_net
+            from ivyplug.ps.wire import gloo_net
 
             # gloo binds the interface that reaches MASTER_ADDR unless GLOO_SOCKET_IFNAME says otherwise
             with gloo_net.interface_for(os.environ["MASTER_ADDR"]):
@@ -215,9 +215,9 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         import torch
 
+        from ivyplug.localsgd.delta_exchange import DeltaExchange
+        from ivyplug.localsgd.sync_period import SyncPeriod
         from ivyplug.ps import PSClient
-        from ivyplug.ps.delta_exchange import DeltaExchange
-        from ivyplug.ps.sync_period import SyncPeriod
 
         optimizer = self.model.optimizer
         if not isinstance(optimizer, AsyncLAMB):
@@ -232,7 +232,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._delta = DeltaExchange(self._tensors[: len(params)], optimizer.merge_rate, overlap=self._overlap)
         averaged_over = world
         if self.config.servers is not None:  # the servers' worker slots (1 if a job of its own sets them)
-            from ivyplug.ps.service_link import worker_slots
+            from ivyplug.ps.worker.service_link import worker_slots
 
             averaged_over = worker_slots(self.config) or 1
         outer = self._delta.outer_optimizer(self.config.mode, averaged_over, optimizer.outer_rule())

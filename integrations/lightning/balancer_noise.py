@@ -78,9 +78,9 @@ def fit_noise_source(unavailable: str | None, ps_noise: bool, ddp: bool, optimiz
     if ddp:
         return unavailable, ps_noise
     if ps_noise:
-        from ivyplug.ps.local_updates import LocalUpdates
+        from ivyplug.localsgd.optimizer_protocol import DeltaExchangingOptimizer
 
-        if any(isinstance(opt, LocalUpdates) for opt in optimizers):
+        if any(isinstance(opt, DeltaExchangingOptimizer) for opt in optimizers):
             return (
                 "a local-update optimizer (AsyncLAMB) pushes parameter deltas, not gradients, so the servers' "
                 "combined norm is not a gradient's"

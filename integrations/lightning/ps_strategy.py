@@ -55,10 +55,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ivyplug.ps import gloo_net, typed_state
+from ivyplug.localsgd.optimizer_protocol import DeltaExchangingOptimizer
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.local_updates import LocalUpdates
-from ivyplug.ps.member_group import MemberGroup, bytes_tensor, tensor_bytes
+from ivyplug.ps.wire import gloo_net, typed_state
+from ivyplug.ps.worker.member_group import MemberGroup, bytes_tensor, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class IvyPSStrategy(DDPStrategy):
         )
         self._client: Any = None
         self._samples_since_step = 0
-        self._local_updates: LocalUpdates | None = None  # an optimizer that steps locally (AsyncLAMB)
+        self._local_updates: DeltaExchangingOptimizer | None = None  # an optimizer that steps locally (AsyncLAMB)
         self._clip_norm: float | None = None
         self._in_train_batch = False
         self._warned_local_reduce = False  # once per strategy: on-step sync_dist stays local in async/ssp
@@ -320,7 +320,7 @@ class IvyPSStrategy(DDPStrategy):
 
         optimizer = self.optimizers[0]
         # local updates (AsyncLAMB): the worker steps and pushes deltas itself; the servers run its outer optimizer
-        local = optimizer if isinstance(optimizer, LocalUpdates) else None
+        local = optimizer if isinstance(optimizer, DeltaExchangingOptimizer) else None
         self._local_updates = local
         params: list[Any] = list(module.named_parameters())
         buffers: list[Any] = list(module.named_buffers())

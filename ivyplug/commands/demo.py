@@ -2,7 +2,7 @@
 
 Two CPU worker processes train the digits MLP of ``ivyplug bench ps`` (64-1024-1024-10, here at batch 128 per worker,
 sklearn's bundled digits: nothing is downloaded) in three runs, one after the other
-(:data:`ivyplug.integrations.lightning.demo_job.RUNS`): ``ddp``, ``ivy_ps`` sync + ``IvyLoadBalancer``, and
+(:data:`ivyplug.benchmarks.demo_job.RUNS`): ``ddp``, ``ivy_ps`` sync + ``IvyLoadBalancer``, and
 ``ivy_ps`` async. Like is compared with like: every run trains the same model from the same weights with the same
 optimizer and learning-rate schedule (AdamW, lr 2e-3, cosine-annealed over the epochs). In every run rank 1
 is a device ``--slowdown`` times slower at compute (the documented delay injector, the one ``ivyplug bench ps``
@@ -36,7 +36,7 @@ from typing import IO, Any
 NAME = "demo"
 HELP = "the main job: DDP vs ivy_ps (sync + IvyLoadBalancer, async) on digits with one worker slowed; table, plot"
 
-JOB_MODULE = "ivyplug.integrations.lightning.demo_job"
+JOB_MODULE = "ivyplug.benchmarks.demo_job"
 #: Run names, in the order they train (keys of ``demo_job.RUNS``; kept here so importing this stays cheap).
 RUN_NAMES = ("ddp", "ivy_ps_sync_lb", "ivy_ps_async")
 RUN_LABELS = ("ddp", "ivy_ps sync + IvyLoadBalancer", "ivy_ps async")  # demo_job.RUNS' labels (a test checks)

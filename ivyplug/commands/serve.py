@@ -36,7 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ivyplug.ps.service import PSService, check_options, run_forever
+    from ivyplug.ps.server.service import PSService, check_options, run_forever
 
     token = args.token if args.token is not None else os.environ.get("IVYPLUG_TOKEN")
     snapshot_every = args.snapshot_every

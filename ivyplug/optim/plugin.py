@@ -18,7 +18,7 @@ def ivyplug_optimizers() -> Iterator[Optimizer]:
     )
     yield Optimizer(
         "async_lamb",
-        "ivyplug.optim.async_lamb:AsyncLAMB",
+        "ivyplug.localsgd.async_lamb:AsyncLAMB",
         framework="torch",
         description="LAMB with local steps; workers average their deltas through the ivyplug parameter server",
     )

@@ -2,6 +2,10 @@
 
 ``from ivyplug.ps import PSConfig, PSClient`` — see docs/design.md for how a step flows. ``PSConfig``
 (validation only) is importable without torch; everything else loads torch on first use.
+
+Three subpackages, each importing only those after it: ``worker`` (``PSClient`` and how it reaches the
+shards), ``server`` (shards, the server loop, ``ivyplug serve``), ``wire`` (messages, channels, codecs);
+``config`` and ``sharding`` (the shard plan) sit below all three.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "PSClient": "ivyplug.ps.client",
-    "PSTimeoutError": "ivyplug.ps.transport",
-    "PSProtocolError": "ivyplug.ps.transport",
+    "PSClient": "ivyplug.ps.worker.client",
+    "PSTimeoutError": "ivyplug.ps.wire.transport",
+    "PSProtocolError": "ivyplug.ps.wire.transport",
     "ShardPlan": "ivyplug.ps.sharding",
     "TensorSpec": "ivyplug.ps.sharding",
     "build_plan": "ivyplug.ps.sharding",

@@ -32,7 +32,7 @@ class PSConfig:
     balance (sharding.py), ``None`` keeps whole tensors. ``wire_dtype="bfloat16"`` sends the floats of
     pushes (gradients, deltas, float buffers) and of pulled parameters in bf16 over the wire, half the bytes
     of ``"float32"`` (default); the servers keep fp32 masters and integer buffers travel exactly. A local-update
-    delta carries its rounding error into the next delta (error feedback, delta_exchange.py). A finite fp32
+    delta carries its rounding error into the next delta (error feedback, localsgd/delta_exchange.py). A finite fp32
     value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
     ``"int8"`` / ``"int4"``: pushes (gradients, or local-update deltas, for which they are made) travel
     block-quantized, one fp32 scale per 128 values (about 1/3.9 and 1/7.5 of fp32's bytes), with error feedback
@@ -40,7 +40,7 @@ class PSConfig:
     fp32, pulls in bf16 (a pull cannot carry error feedback: each is a fresh copy of the masters, so its
     rounding does not accumulate, and bf16 keeps it within 2**-9 of each value).
     ``overlap_backward=True`` sends each shard's gradients from backward's gradient hooks as soon as backward
-    has produced them all, so the transfer overlaps the rest of backward (early_push.py); the shards apply a
+    has produced them all, so the transfer overlaps the rest of backward (worker/early_push.py); the shards apply a
     push only at the step, after the whole push was checked, and data changed after backward is sent again;
     writes that bypass autograd's version counter (in-place ops on ``.grad.data``, kernels writing the tensor's
     memory directly) are not seen. ``False`` (default): everything at the step. Opt-in because it has not paid

@@ -12,7 +12,7 @@ Whole tensors cannot balance a model whose largest tensor is bigger than the ide
 of shards): a 64-1024-1024-10 MLP puts 93% of its bytes on one of two servers, and that server's optimizer
 step becomes every sync step's critical path. ``max_shard_bytes="auto"`` (the default) therefore splits
 when splitting cannot change the update: for optimizers whose update is element-wise within a param group
-(SGD, Adam, AdamW, ... — see ``ivyplug.ps.mirror.is_elementwise``), tensors larger than ideal/8 are cut
+(SGD, Adam, AdamW, ... — see ``ivyplug.ps.server.mirror.is_elementwise``), tensors larger than ideal/8 are cut
 into row blocks of at most ideal/8, which bounds the largest shard by 1.125 x ideal (greedy placement:
 the fullest shard was the emptiest when it got its last piece). For LAMB and any other optimizer
 (layer-wise statistics), "auto" keeps whole tensors.

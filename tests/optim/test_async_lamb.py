@@ -146,7 +146,7 @@ def test_async_merges_every_pushed_delta(world2: list[dict[str, Any]]) -> None:
 def test_docstring_example_runs() -> None:
     import doctest
 
-    from ivyplug.optim import async_lamb
+    from ivyplug.localsgd import async_lamb
 
     tests = [t for t in doctest.DocTestFinder().find(async_lamb.AsyncLAMB, "AsyncLAMB", globs={}) if t.examples]
     assert tests, "AsyncLAMB's docstring must hold a runnable example"

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ivyplug.optim import LAMB, AsyncLAMB, LocalUpdates, local_updates
+from ivyplug.localsgd import local_updates
+from ivyplug.localsgd.optimizer_protocol import DeltaExchangingOptimizer
+from ivyplug.optim import LAMB, AsyncLAMB, LocalUpdates
 from ivyplug.ps import PSConfig
-from ivyplug.ps.local_updates import LocalUpdates as LocalUpdatesProtocol
 
 Make = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
@@ -82,8 +83,8 @@ def test_without_a_ps_it_is_the_inner_optimizer_bitwise(name: str) -> None:
 
 def test_it_is_what_the_lightning_strategy_runs() -> None:
     opt = LocalUpdates(torch.optim.SGD(_mlp(0).parameters(), lr=0.1))
-    assert isinstance(opt, LocalUpdatesProtocol) and isinstance(opt, torch.optim.Optimizer)
-    assert isinstance(AsyncLAMB(_mlp(0).parameters()), LocalUpdatesProtocol)
+    assert isinstance(opt, DeltaExchangingOptimizer) and isinstance(opt, torch.optim.Optimizer)
+    assert isinstance(AsyncLAMB(_mlp(0).parameters()), DeltaExchangingOptimizer)
     assert opt.param_groups is opt.inner.param_groups and opt.state is opt.inner.state
 
 

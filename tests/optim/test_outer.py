@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from ivyplug.optim import DelayedNesterov, outer
-from ivyplug.ps.mirror import OptimizerSpec
+from ivyplug.localsgd import outer
+from ivyplug.optim import DelayedNesterov
+from ivyplug.ps.server.mirror import OptimizerSpec
 from tests.ps.outer_reference import RefDelayedNesterov
 
 SHAPES = [(4, 3), (3,), (2, 2, 2)]

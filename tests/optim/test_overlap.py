@@ -20,8 +20,8 @@ from torch import nn
 
 from ivyplug.optim import AsyncLAMB, LocalUpdates
 from ivyplug.ps import PSClient, PSConfig
-from ivyplug.ps.client import PSNonFiniteError
-from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
+from ivyplug.ps.wire.transport import PSProtocolError, PSTimeoutError
+from ivyplug.ps.worker.client import PSNonFiniteError
 
 STEPS, H = 20, 3  # 6 exchanges during the steps, the 7th by flush() (2 steps left)
 

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from ivyplug.ps import PSClient, PSConfig
-from ivyplug.ps.endpoints import WireEndpoint
-from ivyplug.ps.layout import FlatLayout
+from ivyplug.ps.server.endpoints import WireEndpoint
 from ivyplug.ps.sharding import build_plan, tensor_specs
+from ivyplug.ps.worker.layout import FlatLayout
 from tests.ps.introspection import force_staging
 from tests.ps.scenarios import batch, mlp
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ivyplug.ps import PSClient
-from ivyplug.ps.layout import FlatLayout
-from ivyplug.ps.lent_state import LentState
-from ivyplug.ps.shard import Shard
+from ivyplug.ps.server.lent_state import LentState
+from ivyplug.ps.server.shard import Shard
+from ivyplug.ps.worker.layout import FlatLayout
 
 
 def local_shard(client: PSClient) -> Shard:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from ivyplug.ps import PSClient, PSConfig
-from ivyplug.ps.endpoints import WireEndpoint
-from ivyplug.ps.segments import DIRECT_MIN
+from ivyplug.ps.server.endpoints import WireEndpoint
+from ivyplug.ps.wire.segments import DIRECT_MIN
 
 SIZES = [3, 5]
 STEPS = 4
@@ -132,7 +132,7 @@ class Deep(torch.nn.Module):
 def many_segments(rank: int, split: bool) -> dict[str, Any]:
     """More segments per shard than a channel keeps sends before it waits for the oldest (16): a server's reply
     parts leave only once their worker posts its receives, so no send may wait for them."""
-    from ivyplug.ps import segments
+    from ivyplug.ps.wire import segments
 
     saved, segments.DIRECT_MIN = segments.DIRECT_MIN, 256
     try:

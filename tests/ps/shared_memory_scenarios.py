@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import PSClient, PSConfig, shared_region
-from ivyplug.ps.endpoints import WireEndpoint
+from ivyplug.ps import PSClient, PSConfig
+from ivyplug.ps.server.endpoints import WireEndpoint
+from ivyplug.ps.wire import shared_region
 from tests.ps.scenarios import batch, mlp
 
 STEPS = 5

@@ -15,7 +15,7 @@ from torch import nn
 
 from ivyplug.optim import LocalUpdates
 from ivyplug.ps import PSConfig
-from ivyplug.ps.wire_codec import BLOCK, BlockCodec
+from ivyplug.ps.wire.codecs import BLOCK, BlockCodec
 from tests.ps.test_wire_dtype import _half_ulp_bf16, _serve_run, ref_bf16
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: no OpenMP spin-waits

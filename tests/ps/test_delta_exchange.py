@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
+from ivyplug.localsgd.delta_exchange import DeltaExchange, OuterRule
 from ivyplug.optim import DelayedNesterov, LocalUpdates
 from ivyplug.optim.optimizer import LAMB
 from ivyplug.ps import PSClient, PSConfig
-from ivyplug.ps.delta_exchange import DeltaExchange, OuterRule
 from tests.ps.outer_reference import RefAverage, RefDelayedNesterov, ref_lamb
 
 MANUAL = 10**6  # sync_every: the tests call exchange() themselves

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ivyplug.ps.dispatch import WAIT, BatchQueue
+from ivyplug.ps.server.batch_queue import WAIT, BatchQueue
 
 
 def now(queue: BatchQueue, worker: int, epoch: int, finished: int) -> int:

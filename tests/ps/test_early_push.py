@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from ivyplug.ps.early_push import WASTED_STEPS
+from ivyplug.ps.worker.early_push import WASTED_STEPS
 from tests.ps import early_push_scenarios
 from tests.ps.harness import run_workers
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from ivyplug.ps import gloo_net
-from ivyplug.ps.dedicated import check_ps_host
-from ivyplug.ps.gloo_net import IFNAME_ENV, PSAddressError
+from ivyplug.ps.server.dedicated import check_ps_host
+from ivyplug.ps.wire import gloo_net
+from ivyplug.ps.wire.gloo_net import IFNAME_ENV, PSAddressError
 
 
 def test_route_address_and_loopback_checks() -> None:
@@ -70,9 +70,10 @@ def test_dedicated_servers_on_loopback_are_refused_for_a_worker_on_another_host(
 
 
 def test_a_pair_group_that_does_not_form_ends_within_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ivyplug.ps import auth, service_link
     from ivyplug.ps.config import PSConfig
-    from ivyplug.ps.transport import PSTimeoutError
+    from ivyplug.ps.wire import auth
+    from ivyplug.ps.wire.transport import PSTimeoutError
+    from ivyplug.ps.worker import service_link
 
     release = threading.Event()
     monkeypatch.setattr(auth, "pair_group", lambda *args: release.wait(30))  # a connect that hangs

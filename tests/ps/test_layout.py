@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ivyplug.ps.layout import FlatLayout
 from ivyplug.ps.sharding import build_plan, tensor_specs
+from ivyplug.ps.worker.layout import FlatLayout
 from tests.ps.introspection import force_staging
 
 

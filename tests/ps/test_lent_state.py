@@ -1,4 +1,4 @@
-"""A shard's state lent to its replies (``ivyplug.ps.lent_state``): no copy per reply, never a torn one.
+"""A shard's state lent to its replies (``ivyplug.ps.server.lent_state``): no copy per reply, never a torn one.
 
 The buffer is checked alone, then on shards (a held reply keeps the values of its version while later
 steps go on, checked against a float64 SGD reference; released replies let the state stay in place),
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from ivyplug.ps import PSConfig
-from ivyplug.ps.lent_state import LentState
-from ivyplug.ps.mirror import OptimizerSpec
-from ivyplug.ps.push import encode_mask
-from ivyplug.ps.shard import Shard, load_state_bytes
+from ivyplug.ps.server.lent_state import LentState
+from ivyplug.ps.server.mirror import OptimizerSpec
+from ivyplug.ps.server.shard import Shard, load_state_bytes
 from ivyplug.ps.sharding import TensorSpec, build_plan
+from ivyplug.ps.wire.push import encode_mask
 from tests.ps import lent_state_scenarios
 from tests.ps.harness import run_workers
 from tests.ps.introspection import held_buffers

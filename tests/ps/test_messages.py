@@ -5,8 +5,17 @@ import math
 import pytest
 import torch
 
-from ivyplug.ps.messages import HEADER_LEN, MAGIC, Header, Kind, arg_float, bytes_to_words, float_arg, words_to_bytes
-from ivyplug.ps.mirror import OptimizerSpec
+from ivyplug.ps.server.mirror import OptimizerSpec
+from ivyplug.ps.wire.messages import (
+    HEADER_LEN,
+    MAGIC,
+    Header,
+    Kind,
+    arg_float,
+    bytes_to_words,
+    float_arg,
+    words_to_bytes,
+)
 
 
 def test_header_round_trip_and_fixed_size() -> None:

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from ivyplug.ps.push import nonfinite_in, nonfinite_in_parts, squared_norm
-from ivyplug.ps.wire_codec import BF16_OVERFLOW
+from ivyplug.ps.wire.codecs import BF16_OVERFLOW
+from ivyplug.ps.wire.push import nonfinite_in, nonfinite_in_parts, squared_norm
 
 
 def _reference(data: torch.Tensor, ranges: list[tuple[int, int]], below: float | None) -> int | None:

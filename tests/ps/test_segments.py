@@ -1,4 +1,4 @@
-"""The fp32 wire cut into segments (``ivyplug.ps.segments``): large tensors travel in place.
+"""The fp32 wire cut into segments (``ivyplug.ps.wire.segments``): large tensors travel in place.
 
 The cut itself is checked on plans; then 2 real processes over gloo fit a model with tensors on both sides
 of the threshold, once cut and once with every payload as one message: the parameters and buffers must be
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from ivyplug.ps.segments import DIRECT_MIN, Segment, views, wire_segments
 from ivyplug.ps.sharding import TensorSpec, build_plan
+from ivyplug.ps.wire.segments import DIRECT_MIN, Segment, views, wire_segments
 from tests.ps import segments_scenarios
 from tests.ps.harness import run_workers
 

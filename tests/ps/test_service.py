@@ -169,7 +169,7 @@ def test_a_killed_serve_ends_its_workers_naming_it_and_a_restart_from_its_state_
 def test_two_services_hold_the_shards_of_one_job_and_resume_it_from_their_snapshots(tmp_path: Path) -> None:
     """Two services behind one address train one job; each snapshots its own shards; restarted (the later one
     at a new port, claiming its shards back), they serve the trained job to a new worker."""
-    from ivyplug.ps.service import PSService
+    from ivyplug.ps.server.service import PSService
 
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     snap = ("--snapshot-every", "0.3", "--token", "t")

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ivyplug.ps import PSClient, PSConfig, auth
-from ivyplug.ps.messages import HEADER_LEN, MAGIC, TAG_REQUEST, TAG_REQUEST_DATA, TAG_REQUEST_HYPER, WIRE_VERSION
-from ivyplug.ps.service import PSService
+from ivyplug.ps import PSClient, PSConfig
+from ivyplug.ps.server.service import PSService
+from ivyplug.ps.wire import auth
+from ivyplug.ps.wire.messages import HEADER_LEN, MAGIC, TAG_REQUEST, TAG_REQUEST_DATA, TAG_REQUEST_HYPER, WIRE_VERSION
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from ivyplug.ps import PSConfig
-from ivyplug.ps.endpoints import InProcessEndpoint
-from ivyplug.ps.layout import FlatLayout
-from ivyplug.ps.mirror import OptimizerSpec
-from ivyplug.ps.push import PushFlag, encode_mask
-from ivyplug.ps.shard import Shard
+from ivyplug.ps.server.endpoints import InProcessEndpoint
+from ivyplug.ps.server.mirror import OptimizerSpec
+from ivyplug.ps.server.shard import Shard
 from ivyplug.ps.sharding import TensorSpec, build_plan
-from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
+from ivyplug.ps.wire.push import PushFlag, encode_mask
+from ivyplug.ps.wire.transport import PSProtocolError, PSTimeoutError
+from ivyplug.ps.worker.layout import FlatLayout
 from tests.ps.scenarios import batch, mlp
 
 

@@ -164,7 +164,7 @@ def test_elementwise_optimizer_classes() -> None:
     import torch
 
     from ivyplug.optim import LAMB
-    from ivyplug.ps.mirror import is_elementwise
+    from ivyplug.ps.server.mirror import is_elementwise
 
     assert all(is_elementwise(c) for c in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
     assert not is_elementwise(LAMB)

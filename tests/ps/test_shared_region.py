@@ -1,4 +1,4 @@
-"""Shared-memory payloads between a worker and a co-located server on one host (``ivyplug.ps.shared_region``).
+"""Shared-memory payloads between a worker and a co-located server on one host (``ivyplug.ps.wire.shared_region``).
 
 The region itself is checked in one process: what one mapping writes the other reads, and a server maps only
 the file that was announced. Then 2 real processes over gloo fit a model (BatchNorm's buffers, an integer one
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from ivyplug.ps import shared_region
 from ivyplug.ps.config import PSConfig
+from ivyplug.ps.wire import shared_region
 from tests.ps import shared_memory_scenarios
 from tests.ps.harness import run_workers
 
@@ -144,8 +144,8 @@ def test_an_ivyplug_serve_counts_shared_payloads_as_moved() -> None:
     """The serve's status line counts a push and its reply through a region as it would on gloo: the same
     bytes in and out with and without shared memory (the control: only the shared client shares)."""
     from ivyplug.ps import PSClient
-    from ivyplug.ps.endpoints import WireEndpoint
-    from ivyplug.ps.service import PSService
+    from ivyplug.ps.server.endpoints import WireEndpoint
+    from ivyplug.ps.server.service import PSService
 
     svc = PSService(1, port=0, num_workers=1, timeout=30, status_every=None, log=lambda line: None)
     try:

@@ -122,7 +122,7 @@ def test_dispatch_and_stop_in_process() -> None:
 
 def _hyper(spec: Any, opt: torch.optim.Optimizer, num_params: int = 1, flags: int = 0) -> torch.Tensor:
     """A push's hyper vector as PSClient.step builds it: every parameter has a gradient."""
-    from ivyplug.ps.push import HYPER_PREFIX, encode_mask
+    from ivyplug.ps.wire.push import HYPER_PREFIX, encode_mask
 
     prefix = torch.tensor([-1.0, 1.0, float(flags), *encode_mask([True] * num_params)], dtype=torch.float64)
     hyper = torch.cat([prefix, spec.encode(opt)])
@@ -137,8 +137,8 @@ def test_staleness_scaling_inverse_steps_with_lr_over_tau_plus_one(optimizer: st
     Adam is the control that the *learning rate* is scaled: its first step is lr · sign(g) whatever the
     gradient's size, so scaling the gradient by 1/4 (the old rule) would still move every element by lr.
     """
-    from ivyplug.ps.mirror import OptimizerSpec
-    from ivyplug.ps.shard import Shard
+    from ivyplug.ps.server.mirror import OptimizerSpec
+    from ivyplug.ps.server.shard import Shard
     from ivyplug.ps.sharding import TensorSpec, build_plan
 
     p = torch.zeros(4, requires_grad=True)
@@ -320,7 +320,7 @@ def test_hyperparameters_still_follow_the_worker_optimizer_after_load_state_dict
 
 
 def test_nonfinite_raise_names_the_rank_the_step_and_the_first_tensor() -> None:
-    from ivyplug.ps.client import PSNonFiniteError
+    from ivyplug.ps.worker.client import PSNonFiniteError
 
     model = mlp(seed=0)
     client = start(model, make_opt("adamw", model.parameters()), mode="async", nonfinite="raise")
@@ -337,7 +337,7 @@ def test_nonfinite_raise_names_the_rank_the_step_and_the_first_tensor() -> None:
 
 
 def test_a_failing_dedicated_server_sends_its_error_text_back() -> None:
-    from ivyplug.ps.transport import PSProtocolError
+    from ivyplug.ps.wire.transport import PSProtocolError
 
     model = mlp(seed=0)
     client = start(model, make_opt("sgd", model.parameters()), mode="async", num_servers=1, timeout=60.0)
@@ -387,10 +387,10 @@ def test_delta_pushes_are_scaled_only_beyond_one_round_of_staleness() -> None:
 
     Control: the same pushes flagged as gradients are divided by tau + 1.
     """
-    from ivyplug.ps.mirror import OptimizerSpec
-    from ivyplug.ps.push import PushFlag
-    from ivyplug.ps.shard import Shard, staleness_factor
+    from ivyplug.ps.server.mirror import OptimizerSpec
+    from ivyplug.ps.server.shard import Shard, staleness_factor
     from ivyplug.ps.sharding import TensorSpec, build_plan
+    from ivyplug.ps.wire.push import PushFlag
 
     assert [staleness_factor(t, True, "inverse") for t in (0, 1, 2, 3)] == [1.0, 1.0, 0.5, 1 / 3]
     assert [staleness_factor(t, False, "inverse") for t in (0, 1, 3)] == [1.0, 0.5, 0.25]

@@ -10,9 +10,7 @@ import time
 import pytest
 import torch
 
-from ivyplug.optim import AsyncLAMB, LocalUpdates
-from ivyplug.ps import PSConfig
-from ivyplug.ps.sync_period import (
+from ivyplug.localsgd.sync_period import (
     COMM_SHARE,
     FIRST_EXCHANGES,
     MAX_H,
@@ -22,6 +20,8 @@ from ivyplug.ps.sync_period import (
     check_sync_period,
     period_for,
 )
+from ivyplug.optim import AsyncLAMB, LocalUpdates
+from ivyplug.ps import PSConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: no OpenMP spin-waits in the timed steps
 

@@ -1,4 +1,4 @@
-"""A server channel's bookkeeping of its reply sends (``ivyplug.ps.transport.Channel``), on a recording group.
+"""A server channel's bookkeeping of its reply sends (``ivyplug.ps.wire.transport.Channel``), on a recording group.
 
 gloo's send works report completion only to a wait, so a channel keeps each reply until the worker's next
 request on that stream proves it read (``reap``), bounded on streams nobody reaps; a loan kept by a reply is
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from ivyplug.ps.lent_state import LentState
-from ivyplug.ps.messages import Header, Kind
-from ivyplug.ps.transport import _KEEP_REPLIES, Channel, PSProtocolError
+from ivyplug.ps.server.lent_state import LentState
+from ivyplug.ps.wire.messages import Header, Kind
+from ivyplug.ps.wire.transport import _KEEP_REPLIES, Channel, PSProtocolError
 from tests.ps.introspection import held_buffers
 
 pytestmark = pytest.mark.timeout(60)

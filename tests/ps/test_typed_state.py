@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from ivyplug.ps import typed_state
+from ivyplug.ps.wire import typed_state
 
 
 def _optimizer_state() -> dict:

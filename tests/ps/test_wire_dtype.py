@@ -15,8 +15,8 @@ from torch import nn
 
 from ivyplug.optim import LocalUpdates
 from ivyplug.ps import PSClient, PSConfig
-from ivyplug.ps.client import PSNonFiniteError
-from ivyplug.ps.wire_codec import BF16_OVERFLOW, Bf16Codec
+from ivyplug.ps.wire.codecs import BF16_OVERFLOW, Bf16Codec
+from ivyplug.ps.worker.client import PSNonFiniteError
 
 MANUAL = 10**6  # sync_every: the tests call exchange() themselves
 

@@ -213,7 +213,8 @@ def _rows(pieces: list[tuple[int, str, int, int]], shape_of: list[tuple[int, ...
 
 
 def staleness_scale(tau: int) -> float:
-    """``staleness_scaling="inverse"`` for a delta: the rate divided by tau once tau >= 2 (ivyplug/ps/shard.py)."""
+    """``staleness_scaling="inverse"`` for a delta: the rate divided by tau once tau >= 2
+    (ivyplug/ps/server/shard.py)."""
     return 1.0 / tau if tau >= 2 else 1.0
 
 
@@ -227,7 +228,7 @@ def replay_merges(
     """The server's merge rule replayed in float64 on the recorded deltas: (final copy, expected pulls).
 
     The servers run SGD with lr = merge_rate on the pushed pseudo-gradient g = snapshot - local = -delta
-    (ivyplug/ps/delta_exchange.py, ivyplug/ps/shard.py):
+    (ivyplug/localsgd/delta_exchange.py, ivyplug/ps/server/shard.py):
     - sync: step k merges the weighted mean of the workers' k-th deltas, x += rate * sum(n_w d_w) / sum(n_w),
       with n_w the local steps a worker reports (merge_rate None -> rate 1); every reply is x after step k.
     - async: each delta merges on arrival, x += rate * d (merge_rate None -> rate 1/num_workers), times

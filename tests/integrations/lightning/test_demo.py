@@ -130,7 +130,7 @@ def test_command_module_imports_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
-    from ivyplug.integrations.lightning import demo_job
+    from ivyplug.benchmarks import demo_job
 
     assert tuple(demo_job.RUNS) == demo.RUN_NAMES
     assert tuple(spec.label for spec in demo_job.RUNS.values()) == demo.RUN_LABELS

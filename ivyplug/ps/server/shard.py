@@ -43,15 +43,15 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ivyplug.ps import typed_state
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.lent_state import LentState, Loan
-from ivyplug.ps.mirror import OptimizerSpec
-from ivyplug.ps.push import HYPER_PREFIX, PushFlag, decode_mask, mask_words, nonfinite_in, squared_norm
-from ivyplug.ps.segments import wire_segments
+from ivyplug.ps.server.lent_state import LentState, Loan
+from ivyplug.ps.server.mirror import OptimizerSpec
 from ivyplug.ps.sharding import Piece, ShardPlan
-from ivyplug.ps.transport import PSProtocolError
-from ivyplug.ps.wire_codec import Bf16Codec, BlockCodec
+from ivyplug.ps.wire import typed_state
+from ivyplug.ps.wire.codecs import Bf16Codec, BlockCodec
+from ivyplug.ps.wire.push import HYPER_PREFIX, PushFlag, decode_mask, mask_words, nonfinite_in, squared_norm
+from ivyplug.ps.wire.segments import wire_segments
+from ivyplug.ps.wire.transport import PSProtocolError
 
 
 def piece_shape(shape: tuple[int, ...], piece: Piece) -> tuple[int, ...]:
@@ -96,7 +96,7 @@ class Reply(NamedTuple):
     #: whose every push was dropped. Summed over shards it gives |g_big|² for the gradient noise scale.
     grad_sq: float = math.nan
     #: positions (in the shard's wire segments) of the parts the worker received straight into its tensors:
-    #: ``snapshot`` does not hold them (segments.py)
+    #: ``snapshot`` does not hold them (wire/segments.py)
     placed: tuple[int, ...] = ()
     #: the shard's hold on ``snapshot`` (a view of its state, lent_state.py): :meth:`release` once it is read
     loan: Loan | None = None
@@ -578,7 +578,7 @@ class Shard:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state(self) -> bytes:
-        """This shard's full state in the typed encoding (typed_state.py: no pickle on either side)."""
+        """This shard's full state in the typed encoding (wire/typed_state.py: no pickle on either side)."""
         with self._lock:
             state = {
                 "shard": self.shard,

@@ -1,12 +1,12 @@
 """How a worker joins an ``ivyplug serve`` (``PSConfig(servers="host:port", token=...)``).
 
-:func:`connect` meets the service at its store, proves the token (auth.py) and forms this worker's two-rank
+:func:`connect` meets the service at its store, proves the token (wire/auth.py) and forms this worker's two-rank
 gloo group with it; it learns the service's shard count, from which the worker builds its plan.
 From then on a :class:`Heartbeat` thread bumps a counter in the service's store (on a connection of its own)
 every :func:`heartbeat_every` seconds: a worker that computes for a long time sends no request, and a
 service cannot tell it from one whose link is cut, so the service drops a member whose counter stopped
-(service.py), instead of letting its silence stall the others.
-:func:`join` then sends the job description and this worker's initial values (job_description.py): the
+(server/service.py), instead of letting its silence stall the others.
+:func:`join` then sends the job description and this worker's initial values (server/job_description.py): the
 first worker of a job creates the shards from them, a later one is checked against them.
 """
 
@@ -25,24 +25,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import auth, gloo_net, typed_state
 from ivyplug.ps.config import PSConfig, parse_address
-from ivyplug.ps.endpoints import PSServerError, WireEndpoint, WireStats
-from ivyplug.ps.messages import Kind, bytes_to_words
-from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError
+from ivyplug.ps.server.endpoints import PSServerError, WireEndpoint, WireStats
+from ivyplug.ps.wire import auth, gloo_net, typed_state
+from ivyplug.ps.wire.messages import Kind, bytes_to_words
+from ivyplug.ps.wire.transport import Channel, PSProtocolError, PSTimeoutError
 
 
 class PSJoinRefused(ValueError):
     """An ``ivyplug serve`` refused a worker's job (another model or optimizer, no free slot)."""
 
 
-#: the store key (under the member's secret pair prefix) a worker's heartbeat counter lives at
-HEARTBEAT_KEY = "beat"
-
-
 def heartbeat_every(timeout: float) -> float:
     """Seconds between two heartbeats of a worker whose timeout is ``timeout``: often enough that a service
-    with that timeout notices a silent member well before a waiting worker's own timeout (service.py)."""
+    with that timeout notices a silent member well before a waiting worker's own timeout (server/service.py)."""
     return max(0.1, min(1.0, timeout / 10))
 
 
@@ -56,7 +52,7 @@ class Heartbeat(threading.Thread):
 
     def __init__(self, host: str, port: int, prefix: str, timeout: float) -> None:
         super().__init__(name="ivyplug-heartbeat", daemon=True)
-        self.host, self.port, self.key, self.timeout = host, port, f"{prefix}/{HEARTBEAT_KEY}", timeout
+        self.host, self.port, self.key, self.timeout = host, port, f"{prefix}/{auth.HEARTBEAT_KEY}", timeout
         self.every = heartbeat_every(timeout)
         self.stopped = threading.Event()
         self.beats = 0
@@ -235,7 +231,7 @@ def connect(cfg: PSConfig) -> ServiceLink:
     """Meet the service at ``cfg.servers``, prove ``cfg.token``, form the pair group.
 
     An address that cannot connect the two (this worker's gloo device on loopback toward a service on
-    another host, or the service's toward this worker) raises :class:`~ivyplug.ps.gloo_net.PSAddressError` at
+    another host, or the service's toward this worker) raises :class:`~ivyplug.ps.wire.gloo_net.PSAddressError` at
     once, naming the address and the setting to change.
     """
     assert cfg.servers is not None

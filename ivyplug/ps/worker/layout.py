@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ivyplug.ps.segments import wire_segments
-from ivyplug.ps.shard import piece_shape
+from ivyplug.ps.server.shard import piece_shape
 from ivyplug.ps.sharding import Piece, ShardPlan
+from ivyplug.ps.wire.segments import wire_segments
 
 
 def buffer_words(b: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ class FlatLayout:
         self._push_bufs: dict[int, torch.Tensor] = {}
         self._staged: dict[tuple[int, str], torch.Tensor] = {}  # (shard, "push"/"reply") -> flat on the device
         self.float_ranges = [plan.float_ranges(s) for s in range(plan.num_shards)]
-        #: per shard, the cut its payloads travel in over an fp32 wire (segments.py), and each segment's pieces
+        #: per shard, the cut its payloads travel in over an fp32 wire (wire/segments.py), and each segment's pieces
         self.segments = [wire_segments(plan.pieces[s]) for s in range(plan.num_shards)]
         self.segment_starts = [[seg.start for seg in segs] for segs in self.segments]
         self._segment_pieces = [

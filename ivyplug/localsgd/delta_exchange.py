@@ -60,8 +60,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from ivyplug.ps.client import PSClient
-    from ivyplug.ps.sync_period import SyncPeriod
+    from ivyplug.localsgd.sync_period import SyncPeriod
+    from ivyplug.ps.worker.client import PSClient
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class OuterRule:
 
     Example:
         >>> import torch
-        >>> from ivyplug.ps.delta_exchange import OuterRule
+        >>> from ivyplug.localsgd.delta_exchange import OuterRule
         >>> rule = OuterRule("nesterov")
         >>> type(rule.build([torch.zeros(3)], "async", 4)).__name__  # momentum once per 4 merges
         'DelayedNesterov'
@@ -191,7 +191,7 @@ class OuterRule:
             if every is None:
                 every = 1 if mode == "sync" else num_workers
             if every > 1:
-                from ivyplug.optim.outer import DelayedNesterov
+                from ivyplug.localsgd.outer import DelayedNesterov
 
                 return DelayedNesterov(params, lr=lr, momentum=beta, momentum_every=every)
             if beta == 0.0:  # torch refuses nesterov=True without momentum; the step is the same plain SGD
@@ -385,7 +385,7 @@ class DeltaExchange:
         job.thread.join(timeout)
         self.wait_seconds += time.perf_counter() - start
         if job.thread.is_alive():
-            from ivyplug.ps.transport import PSTimeoutError
+            from ivyplug.ps.wire.transport import PSTimeoutError
 
             raise PSTimeoutError(
                 f"rank {self.client.rank}: the overlapped exchange did not finish within timeout={timeout:g} s "

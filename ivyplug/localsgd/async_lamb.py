@@ -7,7 +7,7 @@ an SGD outer step; ``"nesterov"``: DiLoCo's outer Nesterov step; ``"lamb"``: an 
 "Outer optimizers"), and the worker continues from the fresh global copy. LAMB suits this: its layer-wise trust
 ratio, clipped to ``max_trust_ratio``, bounds how far one local step, and so one stale delta of H steps, can
 move a layer relative to its norm. The exchange and its rules (merge rates per mode, staleness scaling,
-non-finite deltas) are :mod:`ivyplug.ps.delta_exchange`'s.
+non-finite deltas) are :mod:`ivyplug.localsgd.delta_exchange`'s.
 
 Not attached to a PS, AsyncLAMB is LAMB (one worker, nothing to average).
 """
@@ -19,10 +19,10 @@ from typing import Any
 
 from torch import Tensor
 
-from ivyplug.optim.local_updates import LocalUpdates
+from ivyplug.localsgd.delta_exchange import OuterRule, check_overlap
+from ivyplug.localsgd.local_updates import LocalUpdates
+from ivyplug.localsgd.sync_period import SyncEvery, check_sync_period
 from ivyplug.optim.optimizer import LAMB
-from ivyplug.ps.delta_exchange import OuterRule, check_overlap
-from ivyplug.ps.sync_period import SyncEvery, check_sync_period
 
 
 class AsyncLAMB(LocalUpdates):
@@ -32,7 +32,7 @@ class AsyncLAMB(LocalUpdates):
         sync_every: local steps between two exchanges with the PS (H >= 1; H = 1 pushes after every step), or
             ``"auto"``: chosen from the measured step and exchange times (see :class:`~ivyplug.optim.LocalUpdates`).
         merge_rate: ``outer="average"``: how much of a pushed delta the servers apply; ``None``: 1.0 in sync
-            mode, 1/num_workers in async/ssp (see :mod:`ivyplug.ps.delta_exchange`).
+            mode, 1/num_workers in async/ssp (see :mod:`ivyplug.localsgd.delta_exchange`).
         outer, outer_lr, outer_momentum, outer_momentum_every: the outer optimizer, as for
             :class:`~ivyplug.optim.LocalUpdates`; ``outer="lamb"`` clips its trust ratio to ``max_trust_ratio``.
         overlap: exchange in the background while local steps go on (one exchange stale; mode ``"sync"`` or

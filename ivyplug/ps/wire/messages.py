@@ -54,7 +54,7 @@ class Kind:
     #              arg0 = their length, arg1 = the collective's number); reply arg0 = the result's length
     GATHER_FETCH = 14  # ivyplug serve: the result of collective arg1 (reply payload, arg0 = its length)
     PUSH_DATA = 15  # the data of a push (gradients + buffers) ahead of its PUSH_PULL, which then carries no
-    #                 data: sent from backward's gradient hooks (early_push.py); no reply, nothing applied yet
+    #                 data: sent from backward's gradient hooks (worker/early_push.py); no reply, nothing applied yet
     REPLY = 16
     SHM_ATTACH = 17  # map the sender's shared-memory region for this shard (shared_region.py): payload = its
     #                  path (bytes in fp32 words, arg0 = length), arg1/arg2 = its nonce; reply arg0 = 1 if mapped

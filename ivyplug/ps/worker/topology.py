@@ -4,8 +4,8 @@
   other shards over a gloo group of its own; its own shard through an in-process endpoint (gloo cannot
   send to itself).
 * dedicated (``num_servers=k``): rank 0 starts a server process holding the k shards (an ``ivyplug serve``
-  of the job's own, dedicated.py); every worker joins it as external.
-* external (``servers="host:port"``): the shards and the batch queue of an ``ivyplug serve`` (service.py),
+  of the job's own, server/dedicated.py); every worker joins it as external.
+* external (``servers="host:port"``): the shards and the batch queue of an ``ivyplug serve`` (server/service.py),
   reached over a two-rank group per worker (service_link.py).
 
 Everything else (a step, sync, checkpoints) is the same loop over the endpoints in either topology.
@@ -24,19 +24,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import gloo_net, job_description, service_link
 from ivyplug.ps.config import PSConfig, parse_address
-from ivyplug.ps.dedicated import check_ps_host, launch, ps_host
-from ivyplug.ps.dispatch import BatchQueue
-from ivyplug.ps.endpoints import InProcessEndpoint, ShardEndpoint, WireEndpoint, WireStats
-from ivyplug.ps.layout import FlatLayout
-from ivyplug.ps.mirror import OptimizerSpec
-from ivyplug.ps.server_loop import ServerLoop
-from ivyplug.ps.service_link import ServiceLink
-from ivyplug.ps.shard import Shard
+from ivyplug.ps.server import job_description
+from ivyplug.ps.server.batch_queue import BatchQueue
+from ivyplug.ps.server.dedicated import check_ps_host, launch, ps_host
+from ivyplug.ps.server.endpoints import InProcessEndpoint, ShardEndpoint, WireEndpoint, WireStats
+from ivyplug.ps.server.loop import ServerLoop
+from ivyplug.ps.server.mirror import OptimizerSpec
+from ivyplug.ps.server.shard import Shard
 from ivyplug.ps.sharding import ShardPlan
-from ivyplug.ps.transport import Channel
-from ivyplug.ps.worker_group import WorkerGroup
+from ivyplug.ps.wire import gloo_net
+from ivyplug.ps.wire.transport import Channel
+from ivyplug.ps.worker import service_link
+from ivyplug.ps.worker.layout import FlatLayout
+from ivyplug.ps.worker.service_link import ServiceLink
+from ivyplug.ps.worker.worker_group import WorkerGroup
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def colocated(job: WorkerJob) -> Topology:
 
 
 def dedicated(job: WorkerJob) -> Topology:
-    """Rank 0 starts the job's own ``ivyplug serve`` (dedicated.py); then every worker joins it (external)."""
+    """Rank 0 starts the job's own ``ivyplug serve`` (server/dedicated.py); then every worker joins it (external)."""
     cfg, rank, workers = job.cfg, job.rank, job.workers
     host = ps_host()
     check_ps_host(host, job.world_size)
@@ -138,7 +140,7 @@ def dedicated(job: WorkerJob) -> Topology:
 
 
 def external(job: WorkerJob, link: ServiceLink) -> Topology:
-    """The shards of an ``ivyplug serve`` (service.py), reached over this worker's own pair group.
+    """The shards of an ``ivyplug serve`` (server/service.py), reached over this worker's own pair group.
 
     Rank 0 joins first, so that a new job's shards start from rank 0's values; then the other ranks. A job
     of several ranks asks for slots 0..W-1 (its ranks); a lone worker takes any free slot.

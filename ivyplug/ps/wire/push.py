@@ -3,7 +3,7 @@
 Layout: ``[max_grad_norm or -1, num_samples, push flags, *has-gradient mask words, *optimizer values]``.
 The mask has one bit per parameter of the plan (whether the worker had a gradient for it), packed
 :data:`MASK_BITS` to an fp64 word (exact integers). The optimizer values are the live hyperparameters of
-the worker's optimizer (mirror.py). Nothing here is pickled: every value is a number.
+the worker's optimizer (server/mirror.py). Nothing here is pickled: every value is a number.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class PushFlag:
     """Bits of the ``push flags`` entry of the hyper vector."""
 
     NONFINITE = 1  # the worker found a NaN/Inf in its push: every shard drops all of it
-    DELTA = 2  # a local-update delta (delta_exchange.py), not a gradient: its own staleness rule
+    DELTA = 2  # a local-update delta (localsgd/delta_exchange.py), not a gradient: its own staleness rule
 
 
 def mask_words(num_params: int) -> int:

@@ -1,7 +1,7 @@
 """What the first worker hands an ``ivyplug serve``: the model's tensors, the optimizer, the consistency mode.
 
 A description is a plain dict of names, shapes, numbers and strings (and 0-d tensors for tensor
-hyperparameters), sent in the typed encoding of typed_state.py: nothing in it is unpickled, and the
+hyperparameters), sent in the typed encoding of wire/typed_state.py: nothing in it is unpickled, and the
 optimizer class travels as a name that the server resolves only among ``torch.optim`` and
 ``ivyplug.optim`` (importing an arbitrary module named by a peer would run its code). A later worker's
 description must match the servers' in everything but the hyperparameters that travel with each push
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.mirror import OptimizerSpec, _Slot
+from ivyplug.ps.server.mirror import OptimizerSpec, _Slot
 from ivyplug.ps.sharding import ShardPlan, TensorSpec, build_plan
 
 FORMAT = "ivyplug.job/1"

@@ -3,13 +3,13 @@
 A wrapper, in the style of torch's ``PostLocalSGDOptimizer`` and hivemind's ``Optimizer(use_local_updates=True)``:
 the inner optimizer steps on the worker; every ``sync_every`` (H) steps the wrapper pushes the delta
 Δ = x_local − x_pulled and continues from the global copy the servers send back. The servers merge each delta
-with the *outer* optimizer chosen by ``outer`` (:class:`ivyplug.ps.delta_exchange.OuterRule`, formulas in
+with the *outer* optimizer chosen by ``outer`` (:class:`ivyplug.localsgd.delta_exchange.OuterRule`, formulas in
 docs/design.md, "Outer optimizers"): ``"average"`` (x ← x + merge_rate · Δ), ``"nesterov"`` (DiLoCo's Nesterov
 SGD over the pseudo-gradient −Δ, with delayed momentum for asynchronous merges) or ``"lamb"`` (LAMB over
 −Δ: its clipped trust ratio bounds how far one merge moves a layer). The exchange itself (merge rates per mode,
-staleness, non-finite deltas) is :mod:`ivyplug.ps.delta_exchange`'s.
+staleness, non-finite deltas) is :mod:`ivyplug.localsgd.delta_exchange`'s.
 
-The wrapper implements the :class:`ivyplug.ps.local_updates.LocalUpdates` protocol, so
+The wrapper implements the :class:`ivyplug.localsgd.optimizer_protocol.DeltaExchangingOptimizer` protocol, so
 ``Trainer(strategy="ivy_ps")`` runs it as it runs :class:`~ivyplug.optim.AsyncLAMB`. Not attached to a PS it is
 its inner optimizer. Its ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's (LR schedulers
 edit the inner learning rates); step hooks registered on the wrapper or globally run once per ``step()`` (the
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ivyplug.ps.delta_exchange import DeltaExchange, OuterRule, check_overlap
-from ivyplug.ps.sync_period import SyncEvery, SyncPeriod, check_sync_period
+from ivyplug.localsgd.delta_exchange import DeltaExchange, OuterRule, check_overlap
+from ivyplug.localsgd.sync_period import SyncEvery, SyncPeriod, check_sync_period
 
 if TYPE_CHECKING:
     from ivyplug.ps import PSClient, PSConfig
@@ -51,7 +51,7 @@ class LocalUpdates(torch.optim.Optimizer):
         sync_every: local steps between two exchanges with the PS (H >= 1; H = 1 pushes after every step), or
             ``"auto"``: chosen from this worker's measured step and exchange times so that exchanges take at most
             10% of its time, re-chosen by :meth:`retune_sync_every` (every epoch under Lightning); a slower worker
-            then takes fewer steps per exchange (:mod:`ivyplug.ps.sync_period`). :attr:`sync_every` is the
+            then takes fewer steps per exchange (:mod:`ivyplug.localsgd.sync_period`). :attr:`sync_every` is the
             current H.
         outer: ``"average"``, ``"nesterov"`` or ``"lamb"``: how the servers merge a delta.
         merge_rate: ``"average"``: the share of a delta applied; ``None``: 1.0 in sync mode, 1/num_workers in
@@ -59,14 +59,14 @@ class LocalUpdates(torch.optim.Optimizer):
         outer_lr: ``"nesterov"``/``"lamb"``: the outer learning rate; ``None``: 0.7 for nesterov, 0.04 for lamb
             in sync mode (0.04/num_workers in async/ssp).
         outer_momentum: Nesterov's momentum β, LAMB's β1; ``None``: 0.5 for nesterov, 0.9 for lamb (see
-            :data:`ivyplug.ps.delta_exchange.DEFAULT_OUTER_MOMENTUM`).
+            :data:`ivyplug.localsgd.delta_exchange.DEFAULT_OUTER_MOMENTUM`).
         outer_momentum_every: ``"nesterov"``: merges per momentum update (delayed Nesterov); ``None``: 1 in
             sync mode, num_workers in async/ssp.
         max_trust_ratio: ``"lamb"``: the upper clip of the outer trust ratio; default 10.0.
         overlap: run each exchange in the background while the worker keeps taking local steps (mode
             ``"sync"`` or ``"async"``): at the next exchange point the worker continues from the pulled global
             copy plus the progress made since the push, ``x ← g + (x − x_sent)``, one exchange stale (see
-            :mod:`ivyplug.ps.delta_exchange`). The PSClient must then be started over :meth:`ps_tensors`
+            :mod:`ivyplug.localsgd.delta_exchange`). The PSClient must then be started over :meth:`ps_tensors`
             (:meth:`start_ps` and the Lightning strategy do so). Default False.
 
     Example:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ivyplug.ps.layout import FlatLayout
+from ivyplug.ps.worker.layout import FlatLayout
 
 #: consecutive steps in which every shard sent early changed before the step, after which the client stops
 WASTED_STEPS = 2

@@ -1,4 +1,4 @@
-"""Collectives among a job's live workers, through its ``ivyplug serve`` (service.py's ``Rendezvous``).
+"""Collectives among a job's live workers, through its ``ivyplug serve`` (server/service.py's ``Rendezvous``).
 
 The twin of worker_group.py for jobs whose servers live outside the workers (``servers=`` or
 ``num_servers=k``): the same calls, but a worker that dies leaves the group instead of hanging everyone in
@@ -14,11 +14,11 @@ import logging
 
 import torch
 
-from ivyplug.ps import typed_state
-from ivyplug.ps.endpoints import WireEndpoint, WireStats
-from ivyplug.ps.messages import Kind, bytes_to_words, words_to_bytes
-from ivyplug.ps.service_link import ServiceLink
-from ivyplug.ps.transport import PSProtocolError
+from ivyplug.ps.server.endpoints import WireEndpoint, WireStats
+from ivyplug.ps.wire import typed_state
+from ivyplug.ps.wire.messages import Kind, bytes_to_words, words_to_bytes
+from ivyplug.ps.wire.transport import PSProtocolError
+from ivyplug.ps.worker.service_link import ServiceLink
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The worker-side facade: ``PSClient.start(...)``, ``step``, ``sync``, checkpoints, dispatch, metrics.
 
 Where the shards run is topology.py's business (co-located or dedicated servers); here every operation is
-one loop over the shard endpoints (endpoints.py), whatever they are: post each shard's request, then
+one loop over the shard endpoints (server/endpoints.py), whatever they are: post each shard's request, then
 collect the replies and unpack them (layout.py). The few collectives among workers (start, sync, epoch
 start, checkpoints, close) run on a group of their own (worker_group.py).
 """
@@ -24,21 +24,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import checkpoint, service_link, shared_region, topology
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.dispatch import WAIT, check_count, check_epoch
-from ivyplug.ps.early_push import WASTED_STEPS, EarlyPush
-from ivyplug.ps.endpoints import PendingReply, PSServerError, WireEndpoint, WireStats
-from ivyplug.ps.layout import FlatLayout
-from ivyplug.ps.member_group import MemberGroup
-from ivyplug.ps.messages import BatchAsk, Header, Kind
-from ivyplug.ps.mirror import OptimizerSpec, is_elementwise
-from ivyplug.ps.push import PushFlag, encode_mask, nonfinite_in, nonfinite_in_parts
-from ivyplug.ps.shard import load_state_bytes
+from ivyplug.ps.server.batch_queue import WAIT, check_count, check_epoch
+from ivyplug.ps.server.endpoints import PendingReply, PSServerError, WireEndpoint, WireStats
+from ivyplug.ps.server.mirror import OptimizerSpec, is_elementwise
+from ivyplug.ps.server.shard import load_state_bytes
 from ivyplug.ps.sharding import ShardPlan, auto_max_shard_bytes, build_plan, tensor_specs
-from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
-from ivyplug.ps.wire_codec import BF16_OVERFLOW, BLOCK_BITS, Bf16Codec, BlockCodec
-from ivyplug.ps.worker_group import WorkerGroup
+from ivyplug.ps.wire import shared_region
+from ivyplug.ps.wire.codecs import BF16_OVERFLOW, BLOCK_BITS, Bf16Codec, BlockCodec
+from ivyplug.ps.wire.messages import BatchAsk, Header, Kind
+from ivyplug.ps.wire.push import PushFlag, encode_mask, nonfinite_in, nonfinite_in_parts
+from ivyplug.ps.wire.transport import PSProtocolError, PSTimeoutError
+from ivyplug.ps.worker import checkpoint, service_link, topology
+from ivyplug.ps.worker.early_push import WASTED_STEPS, EarlyPush
+from ivyplug.ps.worker.layout import FlatLayout
+from ivyplug.ps.worker.member_group import MemberGroup
+from ivyplug.ps.worker.worker_group import WorkerGroup
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
 
@@ -187,12 +188,12 @@ class PSClient:
             if not isinstance(ep, WireEndpoint):
                 continue
             ep.host_buffer = functools.partial(self.layout.host_buffer, shard=s)
-            if cfg.wire_dtype != "float32":  # pushes and pulls in bf16, or pushes quantized (wire_codec.py)
+            if cfg.wire_dtype != "float32":  # pushes and pulls in bf16, or pushes quantized (wire/codecs.py)
                 ep.bf16 = Bf16Codec(self.plan.shard_numel(s), self.plan.float_ranges(s))
                 if cfg.wire_dtype in BLOCK_BITS:
                     bits = BLOCK_BITS[cfg.wire_dtype]
                     ep.block = BlockCodec(self.plan.shard_numel(s), self.plan.shard_param_numel(s), bits)
-            elif not self._share(s, ep):  # fp32: cut so that large tensors travel in place (segments.py)
+            elif not self._share(s, ep):  # fp32: cut so that large tensors travel in place (wire/segments.py)
                 ep.segments = self.layout.segments[s]
         if self.topo.link is not None and world_size > 1:
             # from here on the workers meet through the service: a worker that dies leaves, never hangs them
@@ -203,7 +204,7 @@ class PSClient:
         return self
 
     def _share(self, shard: int, ep: WireEndpoint) -> bool:
-        """Keep ``shard``'s pushes and pulls in shared memory with its server (shared_region.py) where that
+        """Keep ``shard``'s pushes and pulls in shared memory with its server (wire/shared_region.py) where that
         server is on this host (a co-located rank, dedicated servers, an ``ivyplug serve``) and the shard's
         tensors are packed on the CPU; True if they are."""
         if not self.cfg.shared_memory or self._shm_failed:
@@ -345,8 +346,8 @@ class PSClient:
     def step(self, num_samples: int, max_grad_norm: float | None = None, *, delta: bool = False) -> None:
         """Push this worker's gradients (+ buffers, hyperparameters), wait as the mode says, pull.
 
-        ``delta=True``: the ``.grad`` fields hold a local-update pseudo-gradient (delta_exchange.py), which
-        the servers scale for staleness by their delta rule (``ivyplug.ps.shard.staleness_factor``).
+        ``delta=True``: the ``.grad`` fields hold a local-update pseudo-gradient (localsgd/delta_exchange.py), which
+        the servers scale for staleness by their delta rule (``ivyplug.ps.server.shard.staleness_factor``).
         ``num_samples`` weights this worker's gradient in sync mode (uneven batches stay unbiased).
         ``max_grad_norm``: sync clips by the global norm of the combined gradient (computed by the servers);
         async/ssp clip each push by its own global norm here, before pushing.
@@ -426,7 +427,7 @@ class PSClient:
                 )
 
     def _reply_targets(self, shard: int) -> list[torch.Tensor | None] | None:
-        """Where shard ``shard``'s reply parts are received in place, when its wire is cut (segments.py)."""
+        """Where shard ``shard``'s reply parts are received in place, when its wire is cut (wire/segments.py)."""
         return self.layout.reply_targets(shard) if self.topo.endpoints[shard].segments is not None else None
 
     def _arm_early(self) -> None:

@@ -1,8 +1,8 @@
 """The server loop of a rank that serves a shard (or rank 0's batch queue): decodes requests into calls.
 
-It reads a fixed-size header from any source, then the payloads from that sender (see messages.py), and
+It reads a fixed-size header from any source, then the payloads from that sender (see wire/messages.py), and
 turns each request into the same call an in-process endpoint makes on the shard (shard.py) or the batch
-queue (dispatch.py). A reply that must wait is a pending future on the shard; its callback sends the reply
+queue (batch_queue.py). A reply that must wait is a pending future on the shard; its callback sends the reply
 from whichever thread resolves it, after the shard released its lock. The loop ends after a BYE from every
 peer rank, so closing is a natural rendezvous: no rank tears down while another may still ask it.
 """
@@ -19,9 +19,10 @@ from typing import Protocol
 
 import torch
 
-from ivyplug.ps import shared_region
-from ivyplug.ps.dispatch import BatchQueue
-from ivyplug.ps.messages import (
+from ivyplug.ps.server.batch_queue import BatchQueue
+from ivyplug.ps.server.shard import Reply, Shard, load_state_bytes
+from ivyplug.ps.wire import shared_region
+from ivyplug.ps.wire.messages import (
     MAX_ERROR_TEXT,
     BatchAsk,
     Flag,
@@ -33,9 +34,8 @@ from ivyplug.ps.messages import (
     message_bytes,
     words_to_bytes,
 )
-from ivyplug.ps.segments import Segment, views
-from ivyplug.ps.shard import Reply, Shard, load_state_bytes
-from ivyplug.ps.transport import Channel, PSProtocolError, Releasable, payload_parts
+from ivyplug.ps.wire.segments import Segment, views
+from ivyplug.ps.wire.transport import Channel, PSProtocolError, Releasable, payload_parts
 
 _WANTS_REPLY = (
     Kind.PUSH_PULL,
@@ -123,7 +123,7 @@ class ServerLoop(threading.Thread):
         self._push_bufs: dict[tuple[int, int], torch.Tensor] = {}
         # (sender, shard) -> the flags of a PUSH_DATA waiting for its PUSH_PULL; its data is in _push_bufs
         self._held: dict[tuple[int, int], int] = {}
-        # (sender, shard) -> the sender's shared-memory region for that shard (shared_region.py): its pushes
+        # (sender, shard) -> the sender's shared-memory region for that shard (wire/shared_region.py): its pushes
         # and their replies with Flag.SHM live there, not on the wire
         self._shared: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -172,14 +172,14 @@ class ServerLoop(threading.Thread):
             arg3=len(blob),
         )
         stream = request.shard + 1
-        # a split request's receiver posts the payload's receives only after an OK header (transport.py); a
+        # a split request's receiver posts the payload's receives only after an OK header (wire/transport.py); a
         # shared-memory one posts none
         zeros = None if request.flags & (Flag.SPLIT | Flag.SHM) else torch.zeros(self._reply_numel(request))
         self.channel.send(to, h, zeros, reply=True, wait=False, stream=stream)
         self.channel.send_error_text(to, blob, stream)
 
     def _reply_numel(self, request: Header) -> int:
-        """fp32 elements of the reply payload a request of this kind expects (see client.py)."""
+        """fp32 elements of the reply payload a request of this kind expects (see worker/client.py)."""
         target = self.shards.get(request.shard)
         if request.kind in (Kind.PUSH_PULL, Kind.PULL) and target is not None:
             return target.bf16.words if request.flags & Flag.BF16 else target.n_total
@@ -276,7 +276,7 @@ class ServerLoop(threading.Thread):
         """Whether a member's request announces exactly the payload its kind carries: None, or why not.
 
         Checked before any payload is received: gloo aborts the process on a message longer than the posted
-        receive (see auth.py). A wrong but bounded size is still received as announced (then refused with
+        receive (see wire/auth.py). A wrong but bounded size is still received as announced (then refused with
         an error reply); a kind or size outside the bounds ends the member (PSProtocolError)."""
         numel, n_hyper = 0, 0
         if h.numel < 0 or h.n_hyper < 0 or h.numel > MAX_PAYLOAD or h.n_hyper > MAX_HYPER:

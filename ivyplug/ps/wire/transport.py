@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ivyplug.ps.messages import (
+from ivyplug.ps.wire.messages import (
     TAG_REPLY,
     TAG_REPLY_DATA,
     TAG_REPLY_TEXT,
@@ -28,7 +28,7 @@ from ivyplug.ps.messages import (
     empty_header,
     words_to_bytes,
 )
-from ivyplug.ps.segments import Segment, views
+from ivyplug.ps.wire.segments import Segment, views
 
 #: how long a server may sit idle between requests (an any-source receive must never time out, see above)
 IDLE_WAIT = timedelta(days=7)

@@ -1,6 +1,6 @@
 """One worker of ``ivyplug demo``: trains every run of the demo one after the other, as rank LOCAL_RANK of 2.
 
-``LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 python -m ivyplug.integrations.lightning.demo_job
+``LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 python -m ivyplug.benchmarks.demo_job
 --runs ddp,ivy_ps_async --ports 29510,29511 --slowdown 3 --epochs 6 --repeat 3 --out DIR``, started once per
 rank by ``ivyplug demo`` (Lightning then launches nothing itself, as under torchrun). Both workers import
 Lightning once for all runs: on a loaded 2-core machine an import costs tens of seconds. Each run gets a fresh

@@ -28,13 +28,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ivyplug.ps import gloo_net
-from ivyplug.ps.messages import WIRE_VERSION
-from ivyplug.ps.transport import PSProtocolError, PSTimeoutError
+from ivyplug.ps.wire import gloo_net
+from ivyplug.ps.wire.messages import WIRE_VERSION
+from ivyplug.ps.wire.transport import PSProtocolError, PSTimeoutError
 
 PREFIX = "ivyplug-serve"
 MEMBER_COUNTER = f"{PREFIX}/members"
 INFO_KEY = f"{PREFIX}/info"
+#: the store key (under a member's secret pair prefix) its worker's heartbeat counter lives at
+HEARTBEAT_KEY = "beat"
 
 
 class PSAuthError(PermissionError):

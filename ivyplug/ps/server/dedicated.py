@@ -2,7 +2,7 @@
 
 Rank 0 starts one server process on its host, holding the k shards (service.py), with a fresh random token
 that the workers receive through their own group; every worker then joins it as it would join any
-``ivyplug serve`` (one two-rank gloo group per worker, service_link.py). So a worker that dies leaves the
+``ivyplug serve`` (one two-rank gloo group per worker, worker/service_link.py). So a worker that dies leaves the
 others serving, exactly as with an external service. The process ends by itself once every worker of the
 job has left, is terminated when rank 0's interpreter exits without closing the PS (a daemonic child), and
 exits if rank 0 dies (a parent watchdog).
@@ -29,7 +29,7 @@ def ps_host() -> str:
 def check_ps_host(host: str, world_size: int) -> None:
     """PSAddressError at once where rank 0's servers at ``host`` cannot be reached from this worker: a loopback
     ``host`` while rank 0 (``$MASTER_ADDR``) is on another host."""
-    from ivyplug.ps import gloo_net
+    from ivyplug.ps.wire import gloo_net
 
     master = os.environ.get("MASTER_ADDR")
     if world_size < 2 or not master or not gloo_net.is_loopback(host) or gloo_net.is_local(master):
@@ -59,7 +59,7 @@ def _log(line: str) -> None:
 def serve(host: str, num_shards: int, num_workers: int, token: str, timeout: float, parent_pid: int, conn: Any) -> None:
     """Main of the server process: report the port to rank 0, serve until every worker has left."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    from ivyplug.ps.service import PSService
+    from ivyplug.ps.server.service import PSService
 
     service = PSService(
         num_shards,

@@ -1,7 +1,7 @@
 """bf16 on the wire (``PSConfig.wire_dtype="bfloat16"``): a shard's flat fp32 vector in about half the words.
 
 The float words of a shard's vector (params, gradients, float buffers: ``ShardPlan.float_ranges``) travel as
-bf16, rounded to nearest even; integer buffers, which are int64 bits in fp32 words (layout.py), travel as
+bf16, rounded to nearest even; integer buffers, which are int64 bits in fp32 words (worker/layout.py), travel as
 their exact bits (two bf16 slots per word). Two bf16 slots are packed into each fp32 word of the payload, so
 every message stays a plain fp32 tensor of the size its header announces (messages.py) and nothing but the
 header's ``Flag.BF16`` tells the two encodings apart. The servers decode into fp32 and keep fp32 masters.

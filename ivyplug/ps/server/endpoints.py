@@ -2,11 +2,11 @@
 
 :class:`ShardEndpoint` is what the client loops over. :class:`InProcessEndpoint` calls a :class:`Shard` of
 this process (a co-located worker's own shard: gloo cannot send to itself); :class:`WireEndpoint` sends the
-same requests as fixed-header messages (messages.py) to the rank that serves the shard, whose server loop
+same requests as fixed-header messages (wire/messages.py) to the rank that serves the shard, whose server loop
 decodes them into the same shard calls. Both answer ``push_pull`` and ``pull`` with a :class:`PendingReply`
 whose ``result(timeout)`` blocks until the reply is there (no polling), so a step posts every shard's
 request first and then collects the replies. ``push_data`` sends a push's data ahead (from backward's gradient
-hooks, early_push.py); the ``push_pull`` without data that follows applies it.
+hooks, worker/early_push.py); the ``push_pull`` without data that follows applies it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ivyplug.ps import shared_region, typed_state
-from ivyplug.ps.messages import (
+from ivyplug.ps.server.shard import Reply, Shard, load_state_bytes
+from ivyplug.ps.wire import shared_region, typed_state
+from ivyplug.ps.wire.codecs import Bf16Codec, BlockCodec
+from ivyplug.ps.wire.messages import (
     BLOCK_FLAGS,
     Flag,
     Header,
@@ -34,10 +36,8 @@ from ivyplug.ps.messages import (
     message_bytes,
     words_to_bytes,
 )
-from ivyplug.ps.segments import Segment, views
-from ivyplug.ps.shard import Reply, Shard, load_state_bytes
-from ivyplug.ps.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
-from ivyplug.ps.wire_codec import Bf16Codec, BlockCodec
+from ivyplug.ps.wire.segments import Segment, views
+from ivyplug.ps.wire.transport import Channel, PSProtocolError, PSTimeoutError, wait_work
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ShardEndpoint(Protocol):
     """One shard as the client sees it, wherever it runs."""
 
     shard: int
-    #: the cut its fp32 payloads travel in (segments.py); None where they do not travel split (a shard in this
+    #: the cut its fp32 payloads travel in (wire/segments.py); None where they do not travel split (a shard in this
     #: process, a bf16 wire). With a cut, a push's ``data`` is one tensor per segment, and ``into`` may name,
     #: per segment, a tensor the reply's part is received into in place (None: the reply buffer).
     segments: list[Segment] | None
@@ -244,15 +244,15 @@ class WireEndpoint:
         self._decoded: torch.Tensor | None = None
         self._open: _WireReply | None = None  # the last reply asked for, until it is received whole
         self._seq = 0
-        #: set (PSConfig.wire_dtype="bfloat16"): pushes and pulls travel as bf16 (wire_codec.py)
+        #: set (PSConfig.wire_dtype="bfloat16"): pushes and pulls travel as bf16 (wire/codecs.py)
         self.bf16: Bf16Codec | None = None
         #: set with :attr:`bf16` (wire_dtype "int8"/"int4"): pushes travel block-quantized with error feedback,
         #: replies in bf16 (wire_codec.BlockCodec)
         self.block: BlockCodec | None = None
-        #: set (fp32 wire): pushes and pulls travel cut so, large tensors in place (segments.py)
+        #: set (fp32 wire): pushes and pulls travel cut so, large tensors in place (wire/segments.py)
         self.segments: list[Segment] | None = None
         #: set (:meth:`share`): the shared-memory region pushes and pulls of this shard live in; only their
-        #: headers travel (shared_region.py)
+        #: headers travel (wire/shared_region.py)
         self.shared: torch.Tensor | None = None
         #: allocates the fp32 buffer a reply lands in (the client's: pinned where its tensors are on CUDA)
         self.host_buffer: Callable[[int], torch.Tensor] = lambda numel: torch.empty(numel, dtype=torch.float32)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import gloo_net
-from ivyplug.ps.transport import wait_work
+from ivyplug.ps.wire import gloo_net
+from ivyplug.ps.wire.transport import wait_work
 
 
 class WorkerGroup:

@@ -2,15 +2,15 @@
 
 The service holds a ``TCPStore`` at its address; a worker (``PSConfig(servers="host:port")``) meets it there:
 
-* it proves the token (auth.py, through the store: no byte of an unauthenticated peer reaches gloo);
+* it proves the token (wire/auth.py, through the store: no byte of an unauthenticated peer reaches gloo);
 * the two form a **two-rank gloo group of their own** under a secret store prefix. gloo groups have a fixed
   size, so a membership that changes cannot live in one group: one pair per worker lets a worker join, leave
   or die without touching the others, and a dead worker shows as its pair's closed connection (at once on
   one host, within ``timeout`` across hosts), never as a hang of everyone;
 * its first message is JOIN (job_description.py): the first worker of a job creates the shards from its
   description and values; a later worker must describe the same job, or is refused with the difference;
-* then the member's own server loop (server_loop.py) decodes its requests into calls on the shards;
-* all along, the worker bumps a heartbeat counter in the store (service_link.Heartbeat). A member whose
+* then the member's own server loop (loop.py) decodes its requests into calls on the shards;
+* all along, the worker bumps a heartbeat counter in the store (the worker's service_link.Heartbeat). A member whose
   counter has not moved for :func:`silence_bound` seconds (a cut link, a host down: its packets vanish, its
   connection never closes) is dropped as if it had died: its batches go back to the queue, collectives go on
   without it, and in sync mode the step fails with its name, instead of everyone waiting on it until their
@@ -42,16 +42,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.ps import auth, gloo_net, job_description, service_link, typed_state
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
-from ivyplug.ps.dispatch import BatchQueue
-from ivyplug.ps.endpoints import InProcessEndpoint
-from ivyplug.ps.messages import Header, Kind, Status, bytes_to_words, words_to_bytes
-from ivyplug.ps.mirror import OptimizerSpec
-from ivyplug.ps.server_loop import MAX_BLOB_BYTES, ServerLoop
-from ivyplug.ps.shard import Shard, load_state_bytes
+from ivyplug.ps.server import job_description
+from ivyplug.ps.server.batch_queue import BatchQueue
+from ivyplug.ps.server.endpoints import InProcessEndpoint
+from ivyplug.ps.server.loop import MAX_BLOB_BYTES, ServerLoop
+from ivyplug.ps.server.mirror import OptimizerSpec
+from ivyplug.ps.server.shard import Shard, load_state_bytes
 from ivyplug.ps.sharding import ShardPlan
-from ivyplug.ps.transport import Channel, PSProtocolError
+from ivyplug.ps.wire import auth, gloo_net, typed_state
+from ivyplug.ps.wire.messages import Header, Kind, Status, bytes_to_words, words_to_bytes
+from ivyplug.ps.wire.transport import Channel, PSProtocolError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 JOB_FILE = "job.ivys"
@@ -416,7 +417,7 @@ class PSService:
                     self.refused += 1
                 self.log(f"ivyplug serve: refused member {member}: {reason}")
                 return
-            watched = _Member(f"{prefix}/{service_link.HEARTBEAT_KEY}", peer)
+            watched = _Member(f"{prefix}/{auth.HEARTBEAT_KEY}", peer)
             with self._lock:
                 self._members[member] = watched
             group = auth.pair_group(self.store, prefix, 0, self.timeout, self.host, peer)

@@ -1,7 +1,7 @@
-"""The protocol through which an optimizer with local updates works with the PS.
+"""``DeltaExchangingOptimizer``: the protocol through which an optimizer with local updates works with the PS.
 
 ``ivyplug.optim.LocalUpdates`` (any torch optimizer in a local-update wrapper) and so ``AsyncLAMB`` implement it;
-the outer optimizer it returns is the one ``outer=`` chose (``ivyplug.ps.delta_exchange.OuterRule``).
+the outer optimizer it returns is the one ``outer=`` chose (``ivyplug.localsgd.delta_exchange.OuterRule``).
 
 Such an optimizer steps on the worker and exchanges its progress with the servers itself, every few
 steps. A training loop (the Lightning strategy, a Keras callback) needs only these calls: start the PS with
@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ivyplug.ps.client import PSClient
+    from ivyplug.ps.worker.client import PSClient
 
 
 @runtime_checkable
-class LocalUpdates(Protocol):
+class DeltaExchangingOptimizer(Protocol):
     def outer_optimizer(self, mode: str, num_workers: int) -> Any:
         """The optimizer the servers mirror (pass it to ``PSClient.start``)."""
 

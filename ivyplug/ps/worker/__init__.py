@@ -1,0 +1,1 @@
+"""The worker side: ``PSClient`` and how it reaches the shards (topology, layout, early pushes, groups)."""

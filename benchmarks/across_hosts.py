@@ -30,6 +30,8 @@ from ivyplug.benchmarks.emulated_hosts import DEVICE, Hosts, unavailable
 RATES: tuple[str | None, ...] = (None, "1gbit", "100mbit")
 PORT = 29710
 GRACE_S = 30.0
+#: the keys of ``--select`` for the host benchmarks
+SELECT_KEYS = ("rate", "slowdown", "config", "rounds", "first_round")
 ENV = {
     "OMP_NUM_THREADS": "1",
     "PYTHONWARNINGS": "ignore",
@@ -84,11 +86,11 @@ GridJob = tuple[str | None, float, list[str]]
 def read_selection(
     bench: str, select: dict[str, list[str]], configs: Sequence[str], slowdown: float
 ) -> tuple[list[str | None], list[float]]:
-    """The rates and slowdowns of a ``--select`` (keys ``rate``, ``slowdown``, ``config``, ``rounds``), its names
-    checked against ``RATES`` and ``configs``; both host benchmarks read it alike."""
-    unknown = sorted(set(select) - {"rate", "slowdown", "config", "rounds"})
+    """The rates and slowdowns of a ``--select`` (keys ``rate``, ``slowdown``, ``config``, ``rounds``,
+    ``first_round``), its names checked against ``RATES`` and ``configs``; both host benchmarks read it alike."""
+    unknown = sorted(set(select) - set(SELECT_KEYS))
     if unknown:
-        raise ValueError(f"bench {bench}: unknown selection key(s) {unknown}; known: rate, slowdown, config, rounds")
+        raise ValueError(f"bench {bench}: unknown selection key(s) {unknown}; known: {', '.join(SELECT_KEYS)}")
     names = {rate_name(r): r for r in RATES}
     for r in select.get("rate", []):
         if r not in names:
@@ -124,7 +126,8 @@ def run_selection(
     else:
         select = select or {}
         rounds = int(select.get("rounds", [str(rounds)])[-1])
-        raw = run_rounds(grid(select), rounds=rounds, epochs=epochs, setting="digits", optimizer=optimizer)
+        first = int(select.get("first_round", ["0"])[-1])  # more seeds later: their rounds join the earlier ones'
+        raw = run_rounds(grid(select), rounds=rounds, epochs=epochs, setting="digits", optimizer=optimizer, first=first)
     return {
         "quick": quick,
         "select": select or {},
@@ -146,16 +149,17 @@ def run_rounds(
     optimizer: str,
     repeat: int | None = None,
     timeout: float = 3600.0,
+    first: int = 0,
 ) -> dict[str, Any]:
-    """Every (rate, slowdown, configs) job once per round on one pair of hosts; the runs, or ``skipped`` with
-    the reason where emulated hosts cannot be made here."""
+    """Every (rate, slowdown, configs) job once per round (rounds ``first`` ... ``first + rounds - 1``, seed =
+    round) on one pair of hosts; the runs, or ``skipped`` with the reason where emulated hosts cannot be made."""
     reason = unavailable()
     if reason is not None:
         return {"skipped": reason, "runs": []}
     runs: list[dict[str, Any]] = []
     with Hosts(2, hostname_maps_to="address") as hosts:
         port = PORT
-        for r in range(rounds):
+        for r in range(first, first + rounds):
             for rate, slowdown, configs in jobs:
                 shift = r % len(configs)
                 order = configs[shift:] + configs[:shift]

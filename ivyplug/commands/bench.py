@@ -50,7 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=V1,V2",
         help=(
             "averaging, averaging_hosts, hosts: run a subset of the grid (averaging: keys setting, slowdown, H, "
-            "outer, wire; the hosts ones: rate, slowdown, config, rounds; repeatable)"
+            "outer, wire; the hosts ones: rate, slowdown, config, rounds, first_round; repeatable)"
         ),
     )
 

@@ -73,4 +73,4 @@ def test_plot_for_a_benchmark_without_a_figure_is_refused_before_it_runs(capsys:
     )
     assert bench.run(args) == 2
     err = capsys.readouterr().err
-    assert "--plot draws balance, lamb, ps, scale" in err
+    assert "--plot draws averaging_hosts, balance, hosts, lamb, ps, scale" in err

@@ -10,6 +10,7 @@ restarted on its ``--state-dir`` afterwards resumes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -31,7 +32,13 @@ def _worker(hosts: Any, i: int, out: Path, mode: str, epochs: int, servers: str)
     out.mkdir(exist_ok=True)
     cmd = [sys.executable, LIGHTNING_JOB, str(out), "--strategy", f"ivy_ps_{mode}", "--nodes", "1"]
     cmd += ["--servers", servers, "--timeout", str(TIMEOUT), "--epochs", str(epochs), "--sleep", "0.05"]
-    return Output(hosts.run(i, cmd, env={**ENV, "IVYPLUG_TOKEN": TOKEN}))
+    # each worker is a one-process Lightning job with a store of its own: two of them starting at once on one
+    # host must not draw the same free port (Lightning picks one when MASTER_PORT is unset; EADDRINUSE seen)
+    port = str(next(_MASTER_PORTS))
+    return Output(hosts.run(i, cmd, env={**ENV, "IVYPLUG_TOKEN": TOKEN, "MASTER_PORT": port}))
+
+
+_MASTER_PORTS = itertools.count(29650)
 
 
 def _seconds(error_line: str) -> float:

@@ -8,7 +8,7 @@ the step is applied; ssp: until the slowest live worker is within ``staleness`` 
 a later request makes them ready. Futures are resolved and norms are sent to the peer shards only after
 the lock is released, so no network I/O ever happens under it.
 
-Update rules (documented in docs/design.md):
+Update rules (documented in docs/design.md; the mode's part is its policy, mode_policy.py):
 - sync: the step's gradients are combined in worker-rank order as sum(n_w * g_w) / sum(n_w) (so the
   result does not depend on arrival order, and uneven batches are unbiased); with ``max_grad_norm`` the
   servers exchange squared shard norms and every shard scales by the global clip coefficient.
@@ -46,6 +46,7 @@ import torch
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.server.lent_state import LentState, Loan
 from ivyplug.ps.server.mirror import OptimizerSpec
+from ivyplug.ps.server.mode_policy import policy_for
 from ivyplug.ps.sharding import Piece, ShardPlan
 from ivyplug.ps.wire import typed_state
 from ivyplug.ps.wire.codecs import Bf16Codec, BlockCodec
@@ -173,6 +174,7 @@ class Shard:
         self.nonfinite_skipped = [0] * num_workers
         self._peers: dict[int, NormPeer] = {}
         self._lock = threading.Lock()
+        self.policy = policy_for(cfg.mode)  # what a push does, when a reply may go (mode_policy.py)
         self.version = 0
         self.clock = [0] * num_workers
         self.seen = [0] * num_workers
@@ -220,7 +222,7 @@ class Shard:
                 self._release()
             except PushRefused as exc:
                 fut.set_exception(exc)
-                if self.cfg.mode == "sync" and not self._lost:  # a sync step cannot complete without it
+                if self.policy.needs_every_worker and not self._lost:  # the step cannot complete without it
                     self._abort_step(f"worker {worker}'s push was refused ({exc})")
             except BaseException as exc:
                 self._fail_locked(exc)
@@ -252,8 +254,7 @@ class Shard:
         and counts for SSP from its first push, at the clock of the slowest live worker (sync: the version)."""
         with self._lock:
             self._lost.pop(worker, None)
-            live = [c for c, ok in zip(self.clock, self.live, strict=True) if ok]
-            self.clock[worker] = self.version if self.cfg.mode == "sync" else (min(live) if live else max(self.clock))
+            self.clock[worker] = self.policy.join_clock(self)
             self.seen[worker] = self.version
             self.live[worker] = False
             self._sync_pushes.pop(worker, None)
@@ -274,7 +275,7 @@ class Shard:
         with self._lock:
             self.live[worker] = False
             self._parked = [entry for entry in self._parked if entry[0] != worker]
-            if reason is not None and self.cfg.mode == "sync":
+            if reason is not None and self.policy.needs_every_worker:
                 self._lost[worker] = reason
                 self._abort_step(f"worker {worker} is gone: {reason}")
             self._release()
@@ -372,7 +373,7 @@ class Shard:
 
     def _push(self, worker: int, data: torch.Tensor, hyper: torch.Tensor) -> int:
         """Take one push (``data`` = grads then buffers, fp32); returns the staleness assigned to it."""
-        if self._lost and self.cfg.mode == "sync":
+        if self._lost and self.policy.needs_every_worker:
             raise PushRefused(
                 f"shard {self.shard}: a sync step needs every worker, and "
                 + "; ".join(f"worker {w} is gone ({why})" for w, why in sorted(self._lost.items()))
@@ -390,18 +391,25 @@ class Shard:
             self.nonfinite_skipped[worker] += 1
         else:
             self._check_finite(worker, data)
-        grads = data[: self.n_param]
-        bufs = data[self.n_param :]
+        return self.policy.take(self, worker, data[: self.n_param], data[self.n_param :], hyper, skipped)
+
+    def hold_sync_push(
+        self, worker: int, grads: torch.Tensor, bufs: torch.Tensor, hyper: torch.Tensor, skipped: bool
+    ) -> None:
+        """Sync: keep ``worker``'s push of the step in progress; the last one in combines the step."""
+        if worker in self._sync_pushes:
+            raise PushRefused(f"shard {self.shard}: worker {worker} pushed twice in step {self.version}")
         num_samples = 0.0 if skipped else float(hyper[1])
-        if self.cfg.mode == "sync":
-            if worker in self._sync_pushes:
-                raise PushRefused(f"shard {self.shard}: worker {worker} pushed twice in step {self.version}")
-            kept = (None, None) if skipped else (grads, bufs)  # not copied: see push_pull
-            self._sync_pushes[worker] = (num_samples, *kept, hyper, self._has_grad(hyper))
-            self.clock[worker] += 1
-            if len(self._sync_pushes) == self.num_workers:
-                self._combine_sync()
-            return 0
+        kept = (None, None) if skipped else (grads, bufs)  # not copied: see push_pull
+        self._sync_pushes[worker] = (num_samples, *kept, hyper, self._has_grad(hyper))
+        self.clock[worker] += 1
+        if len(self._sync_pushes) == self.num_workers:
+            self._combine_sync()
+
+    def apply_push(
+        self, worker: int, grads: torch.Tensor, bufs: torch.Tensor, hyper: torch.Tensor, skipped: bool
+    ) -> int:
+        """Async/ssp: step with ``worker``'s push now, scaled for its staleness; returns the staleness."""
         tau = self.version - self.seen[worker]
         if not skipped:
             self._apply_hyper(hyper)
@@ -508,18 +516,13 @@ class Shard:
         self._release()
 
     # -- readiness, snapshots, parked replies ---------------------------------------------------
-    def _min_live_clock(self) -> int:
+    def min_live_clock(self) -> int:
         live = [c for c, ok in zip(self.clock, self.live, strict=True) if ok]
         return min(live) if live else max(self.clock)
 
     def _is_ready(self, worker: int) -> bool:
         """Whether ``worker``'s reply after its push may go out now (the consistency mode's rule)."""
-        if self.cfg.mode == "sync":
-            return self.version >= self.clock[worker]
-        if self.cfg.mode == "ssp":
-            assert self.cfg.staleness is not None
-            return self.clock[worker] - self._min_live_clock() <= self.cfg.staleness
-        return True
+        return self.policy.is_ready(self, worker)
 
     def _snapshot(self, worker: int, staleness: int) -> Reply:
         """The state (params then buffers, flat fp32) lent to the reply; marks what ``worker`` has seen."""
@@ -552,18 +555,18 @@ class Shard:
         self._parked = keep
 
     def _waiting_for(self, worker: int, timeout: float) -> str:
-        if self.cfg.mode == "sync":
-            missing = sorted(set(range(self.num_workers)) - set(self._sync_pushes))
-            what = f"the pushes of step {self.version} from worker(s) {missing}"
-            if self._sync_combined is not None:
-                got = self._norms.get(self.version, {})
-                what = f"gradient norms of step {self.version} from shard(s) " + str(
-                    sorted(set(self.plan.nonempty_shards()) - set(got))
-                )
-        else:
-            slow = [w for w in range(self.num_workers) if self.live[w] and self.clock[w] == self._min_live_clock()]
-            what = f"worker(s) {slow} to come within staleness {self.cfg.staleness} (ssp)"
+        what = self.policy.waiting_for(self)
         return f"timed out after {timeout:g} s on shard {self.shard} (worker {worker}) waiting for {what}"
+
+    def sync_wait(self) -> str:
+        """Sync: what the step in progress waits for (pushes, or the other shards' gradient norms)."""
+        missing = sorted(set(range(self.num_workers)) - set(self._sync_pushes))
+        if self._sync_combined is None:
+            return f"the pushes of step {self.version} from worker(s) {missing}"
+        got = self._norms.get(self.version, {})
+        return f"gradient norms of step {self.version} from shard(s) " + str(
+            sorted(set(self.plan.nonempty_shards()) - set(got))
+        )
 
     def _check_error(self) -> None:
         if self.error is not None:

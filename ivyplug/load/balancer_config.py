@@ -41,6 +41,10 @@ def _optional_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
 
 
+#: BatchSizePolicy's rule defaults, by name
+_RULE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(BatchSizePolicy) if f.name in POLICY_RULES}
+
+
 @dataclass(frozen=True)
 class BalancerConfig:
     """The shared options of both ``IvyLoadBalancer`` twins (see their docstrings for what each one does)."""
@@ -50,16 +54,17 @@ class BalancerConfig:
     adapt_batch_size: bool = True
     min_batch_size: int | None = None
     max_batch_size: int | None = None
-    grow_factor: float = 2.0
-    shrink_factor: float = 0.5
-    grow_below_utilization: float = 70.0
-    memory_low: float = 0.6
-    memory_high: float = 0.9
-    cooldown: int = 1
-    min_relative_change: float = 0.05
-    goodput: bool = True
-    goodput_threshold: float = 0.05
-    min_efficiency: float = 0.9
+    # the batch-size rules default to BatchSizePolicy's own: one place holds them, so the twins and the policy agree
+    grow_factor: float = _RULE_DEFAULTS["grow_factor"]
+    shrink_factor: float = _RULE_DEFAULTS["shrink_factor"]
+    grow_below_utilization: float = _RULE_DEFAULTS["grow_below_utilization"]
+    memory_low: float = _RULE_DEFAULTS["memory_low"]
+    memory_high: float = _RULE_DEFAULTS["memory_high"]
+    cooldown: int = _RULE_DEFAULTS["cooldown"]
+    min_relative_change: float = _RULE_DEFAULTS["min_relative_change"]
+    goodput: bool = _RULE_DEFAULTS["goodput"]
+    goodput_threshold: float = _RULE_DEFAULTS["goodput_threshold"]
+    min_efficiency: float = _RULE_DEFAULTS["min_efficiency"]
     noise_smoothing: float = 0.5
     policy: BatchSizePolicy | None = None
     lr_scaling: str = "auto"

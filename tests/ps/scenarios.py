@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -324,6 +325,17 @@ def session_world3(rank: int, world: int, outdir: str) -> dict[str, Any]:
 
 
 # -- failure ------------------------------------------------------------------------------------
+def _wait_stopped(pid: int, within: float = 20.0) -> None:
+    """Wait until process ``pid`` is stopped (state T in /proc), at most ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop within {within:g} s")
+
+
 def silent_peer(rank: int, world: int) -> dict[str, Any]:
     """A peer that never answers: sync (the last rank never pushes) then async (it is frozen by SIGSTOP).
 
@@ -336,7 +348,11 @@ def silent_peer(rank: int, world: int) -> dict[str, Any]:
         model = mlp(seed=4)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         client = start(model, opt, mode=mode, timeout=2.0)
+        pids: list[Any] = [None] * world
+        dist.all_gather_object(pids, os.getpid())
         dist.barrier()
+        if rank != world - 1 and mode == "async":
+            _wait_stopped(pids[world - 1])  # a push that reached it before its SIGSTOP would be answered
         if rank == world - 1:
             if mode == "async":
                 os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills us

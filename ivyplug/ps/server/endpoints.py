@@ -24,7 +24,7 @@ import torch
 
 from ivyplug.ps.server.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.wire import shared_region, typed_state
-from ivyplug.ps.wire.codecs import Bf16Codec, BlockCodec
+from ivyplug.ps.wire.codecs import Bf16Codec, BlockCodec, PulledCopy
 from ivyplug.ps.wire.messages import (
     BLOCK_FLAGS,
     Flag,
@@ -168,6 +168,7 @@ class _WireReply:
         self._into = into
         self._header: Header | None = None
         self._parts: list[Any] | None = None  # a split reply's posted part receives
+        self._value: torch.Tensor | None = None  # a bf16 or difference reply, decoded (once: it moves the copy)
         #: the whole reply has been received (or it was an error, which carries nothing more)
         self.done = False
 
@@ -191,14 +192,15 @@ class _WireReply:
     def drain(self, timeout: float) -> None:
         """Receive what is left of this reply into the reply buffer, so that the next request's receives on
         this stream match the next reply (a step that failed on another shard left this one unread)."""
-        if self.done:
-            return
-        try:
-            self.header(timeout)
-        except PSServerError:
-            return
         if not self.done:
-            self._receive_parts(None, timeout)
+            try:
+                self.header(timeout)
+            except PSServerError:
+                return
+            if not self.done:
+                self._receive_parts(None, timeout)
+        if self._header is not None and self._header.flags & (Flag.DIFF | Flag.KEEP):
+            self._decode(self._header)  # the pulled copy follows every reply the server sent, read or not
 
     def _receive_parts(self, into: Targets | None, timeout: float) -> None:
         ep = self._endpoint
@@ -213,6 +215,20 @@ class _WireReply:
         ep._stats.wait_seconds += time.monotonic() - t0
         self.done = True
 
+    def _decode(self, h: Header) -> torch.Tensor:
+        """The reply's fp32 values, decoded once into the endpoint's reused buffer."""
+        if self._value is None:
+            ep = self._endpoint
+            assert self._out is not None and ep.bf16 is not None
+            if h.flags & (Flag.DIFF | Flag.KEEP):
+                if ep.pulled is None:
+                    raise PSProtocolError(f"shard {ep.shard}: a pulled-copy reply to an endpoint that keeps none")
+                decode = ep.pulled.decode if h.flags & Flag.DIFF else ep.pulled.decode_whole
+                self._value = decode(self._out, ep.decoded())
+            else:
+                self._value = ep.bf16.decode(self._out, ep.decoded())
+        return self._value
+
     def payload(self, timeout: float) -> tuple[Header, torch.Tensor | None]:
         """The reply's header and fp32 payload (for requests whose payload is not a shard snapshot)."""
         return self.header(timeout), self._out
@@ -221,9 +237,8 @@ class _WireReply:
         h = self.header(timeout)
         assert self._out is not None
         ep = self._endpoint
-        codec = ep.bf16
-        if codec is not None and h.flags & Flag.BF16:  # a bf16 reply: decode into the reused fp32 buffer
-            return Reply(codec.decode(self._out, ep.decoded()), h.arg1, h.arg0, h.arg2, arg_float(h.arg3))
+        if ep.bf16 is not None and h.flags & Flag.BF16:  # a bf16 or difference reply: decode into the fp32 buffer
+            return Reply(self._decode(h), h.arg1, h.arg0, h.arg2, arg_float(h.arg3))
         placed: tuple[int, ...] = ()
         if h.flags & Flag.SPLIT:  # its parts follow the OK header, some straight into the worker's tensors
             self._receive_parts(self._into, timeout)
@@ -246,9 +261,12 @@ class WireEndpoint:
         self._seq = 0
         #: set (PSConfig.wire_dtype="bfloat16"): pushes and pulls travel as bf16 (wire/codecs.py)
         self.bf16: Bf16Codec | None = None
-        #: set with :attr:`bf16` (wire_dtype "int8"/"int4"): pushes travel block-quantized with error feedback,
-        #: replies in bf16 (wire_codec.BlockCodec)
+        #: set with :attr:`bf16` (wire_dtype "int8"/"int4"): pushes travel block-quantized with error feedback
+        #: (wire/codecs.py BlockCodec)
         self.block: BlockCodec | None = None
+        #: set with :attr:`block`: pulls travel as the quantized difference from the copy both ends keep
+        #: (wire/codecs.py PulledCopy), the first one in bf16
+        self.pulled: PulledCopy | None = None
         #: set (fp32 wire): pushes and pulls travel cut so, large tensors in place (wire/segments.py)
         self.segments: list[Segment] | None = None
         #: set (:meth:`share`): the shared-memory region pushes and pulls of this shard live in; only their
@@ -292,6 +310,10 @@ class WireEndpoint:
             out = self._reply_buf
             if self.bf16 is not None:
                 args["flags"] = Flag.BF16
+                if self.pulled is not None:  # the reply: the difference from the copy held, or a whole one to keep
+                    diff = self.pulled.held
+                    args["flags"] |= BLOCK_FLAGS[self.pulled.block.bits] | (Flag.DIFF if diff else Flag.KEEP)
+                    out = out[: self.pulled.block.words] if diff else out
                 if data is not None:
                     assert isinstance(data, torch.Tensor), "a bf16 or quantized push is one flat tensor"
                     if self.block is not None:

@@ -22,6 +22,7 @@ import torch
 from ivyplug.ps.server.batch_queue import BatchQueue
 from ivyplug.ps.server.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.wire import shared_region
+from ivyplug.ps.wire.codecs import PulledCopy
 from ivyplug.ps.wire.messages import (
     MAX_ERROR_TEXT,
     BatchAsk,
@@ -126,6 +127,8 @@ class ServerLoop(threading.Thread):
         # (sender, shard) -> the sender's shared-memory region for that shard (wire/shared_region.py): its pushes
         # and their replies with Flag.SHM live there, not on the wire
         self._shared: dict[tuple[int, int], torch.Tensor] = {}
+        # (sender, shard) -> the copy of the shard that sender holds, for pulls sent as differences from it
+        self._pulled: dict[tuple[int, int], PulledCopy] = {}
 
     @property
     def shard(self) -> Shard | None:
@@ -148,7 +151,7 @@ class ServerLoop(threading.Thread):
         **args: int,
     ) -> None:
         """Send an OK reply; ``keep`` (a shard state's loan) stays alive until its sends are done."""
-        flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT | Flag.SHM))  # a quantized push: bf16 reply
+        flags = self._flags() | (request.flags & (Flag.BF16 | Flag.SPLIT | Flag.SHM | Flag.DIFF | Flag.KEEP))
         h = Header(kind=Kind.REPLY, sender=self.channel.rank, shard=request.shard, seq=request.seq, flags=flags, **args)
         if self.traffic is not None:  # before the send: its worker may read the reply before the send returns
             numel = sum(t.numel() for t in payload_parts(data)) + self._shared_words(request)  # into a region too
@@ -182,6 +185,8 @@ class ServerLoop(threading.Thread):
         """fp32 elements of the reply payload a request of this kind expects (see worker/client.py)."""
         target = self.shards.get(request.shard)
         if request.kind in (Kind.PUSH_PULL, Kind.PULL) and target is not None:
+            if request.flags & Flag.DIFF and _block_bits(request.flags):
+                return target.block[_block_bits(request.flags)].words
             return target.bf16.words if request.flags & Flag.BF16 else target.n_total
         if request.kind == Kind.STATE_FETCH:
             return (len(self._state_blob) + 3) // 4
@@ -349,7 +354,13 @@ class ServerLoop(threading.Thread):
                 r.release()
                 snapshot, loan = None, None
             elif request.flags & Flag.BF16:
-                snapshot = target.bf16.encode(r.snapshot)
+                copy = self._pulled_copy(request, target)
+                if copy is None:
+                    snapshot = target.bf16.encode(r.snapshot)
+                elif request.flags & Flag.DIFF:
+                    snapshot = copy.encode(r.snapshot)
+                else:
+                    snapshot = copy.encode_whole(r.snapshot)
                 r.release()  # the encoded copy is what travels
                 loan = None
             elif request.flags & Flag.SPLIT:
@@ -366,6 +377,19 @@ class ServerLoop(threading.Thread):
             )
         except Exception as send_exc:  # the requester is gone: the loop notices at its next receive
             self._unanswered(to, send_exc)
+
+    def _pulled_copy(self, request: Header, target: Shard) -> PulledCopy | None:
+        """The copy of ``target`` that a KEEP or DIFF request's sender holds (wire/codecs.py PulledCopy), made
+        for KEEP; None for a plain bf16 request. Only this request's reply touches it: a worker asks a shard
+        again only after reading its reply."""
+        bits = _block_bits(request.flags)
+        if not request.flags & (Flag.DIFF | Flag.KEEP) or not bits:
+            return None
+        key = (request.sender, request.shard)
+        copy = self._pulled.get(key)
+        if copy is None or copy.block.bits != bits:
+            copy = self._pulled[key] = PulledCopy(target.block[bits], target.bf16)
+        return copy
 
     def _attach(self, h: Header, data: torch.Tensor | None) -> bool:
         """Map the region a SHM_ATTACH names for its sender and shard; False (staying on gloo) where it cannot
@@ -417,6 +441,15 @@ class ServerLoop(threading.Thread):
         if h.kind == Kind.PUSH_DATA:  # applied with its PUSH_PULL (a later one replaces it)
             self._held[(h.sender, h.shard)] = h.flags
         elif h.kind in (Kind.PUSH_PULL, Kind.PULL):
+            copy = self._pulled.get((h.sender, h.shard))
+            if h.flags & Flag.DIFF and (copy is None or not copy.held):  # refused before its push applies
+                self._reply_error(
+                    to,
+                    h,
+                    f"shard {h.shard}: {self._who(h)} asked for its pull as a difference from the copy it holds, "
+                    "and this server keeps no copy of it (was the server restarted under a running worker?)",
+                )
+                return
             if h.kind == Kind.PUSH_PULL:
                 assert hyper is not None
                 held = self._held.pop((h.sender, h.shard), None)
@@ -476,6 +509,7 @@ class ServerLoop(threading.Thread):
             self.stop.set()
         elif h.kind == Kind.BYE:
             self.bye_from.add(to)
+            self._pulled = {key: c for key, c in self._pulled.items() if key[0] != to}
             if self.member is None and w in self.workers:
                 for s in self.shards.values():
                     s.idle(w)

@@ -153,3 +153,66 @@ class BlockCodec:
         out[:n].copy_(deq.view(-1)[:n])
         out[n:].copy_(words[self.words - tail :])
         return out
+
+
+class PulledCopy:
+    """The copy of a shard's parameters one worker holds, kept alike at both ends, so that int8/int4 pulls can
+    travel as block-quantized differences from it (``PSConfig.wire_dtype="int8"`` / ``"int4"``).
+
+    A worker's first pull (and its first after a restore) travels in bf16, and both ends keep its decoded
+    parameters as the copy ``c``. Every later pull travels as ``q = Q(x − c)`` (:class:`BlockCodec`, no carried
+    residual; the buffers, its tail, travel as plain fp32) and both ends set ``c ← c + D(q)``: the server in
+    :meth:`encode`, the worker in :meth:`decode`, with the same decoded values, so the two copies stay equal
+    bit for bit. What rounding leaves out of one difference stays in ``x − c`` and travels with the next, so
+    the worker's parameters are never further from the server's than half a step of the last difference
+    (``scale / 2`` per value, the same bound as a push's error feedback) and nothing accumulates.
+    """
+
+    def __init__(self, block: BlockCodec, bf16: Bf16Codec) -> None:
+        if block.numel != bf16.numel:
+            raise ValueError(f"the codecs of a pulled copy encode one shard: {block.numel} != {bf16.numel} values")
+        self.block, self.bf16 = block, bf16
+        self.values: torch.Tensor | None = None  # c: the parameters both ends hold; None until a bf16 pull
+
+    @property
+    def held(self) -> bool:
+        """Whether a copy is held (a pull may then travel as a difference)."""
+        return self.values is not None
+
+    def forget(self) -> None:
+        """Drop the copy: the next pull travels whole, in bf16 (after a restore, which moves every value)."""
+        self.values = None
+
+    def encode_whole(self, flat: torch.Tensor) -> torch.Tensor:
+        """Server: ``flat`` in bf16 words (:class:`Bf16Codec`), keeping what the worker decodes as the copy."""
+        words = self.bf16.encode(flat)
+        self.values = self.bf16.decode(words)[: self.block.quantized].clone()
+        return words
+
+    def encode(self, flat: torch.Tensor) -> torch.Tensor:
+        """Server: ``flat`` as the quantized difference from the copy (:attr:`BlockCodec.words` words); the copy
+        moves by what the worker will decode."""
+        if self.values is None:
+            raise ValueError("no pulled copy is held: the first pull travels whole (encode_whole)")
+        n = self.block.quantized
+        diff = flat.clone()
+        diff[:n].sub_(self.values)
+        words = self.block.encode(diff, feedback=False)
+        self.values.add_(self.block.decode(words)[:n])
+        return words
+
+    def decode_whole(self, words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Worker: a bf16 pull, kept as the copy."""
+        out = self.bf16.decode(words, out)
+        self.values = out[: self.block.quantized].clone()
+        return out
+
+    def decode(self, words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Worker: a difference pull; the copy moves by it and ``out`` is the copy plus the fp32 tail."""
+        if self.values is None:
+            raise ValueError("no pulled copy is held: a difference cannot be applied")
+        n = self.block.quantized
+        out = self.block.decode(words, out)
+        self.values.add_(out[:n])
+        out[:n].copy_(self.values)
+        return out

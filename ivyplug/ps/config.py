@@ -36,9 +36,12 @@ class PSConfig:
     value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
     ``"int8"`` / ``"int4"``: pushes (gradients, or local-update deltas, for which they are made) travel
     block-quantized, one fp32 scale per 128 values (about 1/3.9 and 1/7.5 of fp32's bytes), with error feedback
-    (what rounding leaves out of a push is carried into the next, wire_codec.BlockCodec); buffers travel in
-    fp32, pulls in bf16 (a pull cannot carry error feedback: each is a fresh copy of the masters, so its
-    rounding does not accumulate, and bf16 keeps it within 2**-9 of each value).
+    (what rounding leaves out of a push is carried into the next, wire/codecs.py BlockCodec); buffers travel in
+    fp32. Pulls travel in the same bits as the difference from the copy the worker was last sent, which both
+    ends keep (wire/codecs.py PulledCopy; the first pull, and the first after a restore, in bf16): what one
+    difference rounds away goes out with the next, so a worker's parameters stay within half a step of the
+    last difference of the servers'. Each worker's copy costs one fp32 copy of its shards on the worker and
+    on each server.
     ``overlap_backward=True`` sends each shard's gradients from backward's gradient hooks as soon as backward
     has produced them all, so the transfer overlaps the rest of backward (worker/early_push.py); the shards apply a
     push only at the step, after the whole push was checked, and data changed after backward is sent again;

@@ -36,3 +36,14 @@ def force_staging(layout: FlatLayout, staged: bool) -> FlatLayout:
 
     setattr(layout, "staging_device", staging_device)  # noqa: B010 (an instance override, not an attribute)
     return layout
+
+
+def ask_ahead_now(client: PSClient) -> None:
+    """Make ``client`` ask the batch queue one index ahead from its next request on in this epoch, as it does
+    where answers are slow (worker/ask_ahead.py), whatever its answers take here."""
+    client._ask_ahead.enabled = True
+
+
+def asked_ahead(client: PSClient) -> bool:
+    """Whether ``client`` holds a request to the batch queue sent ahead of its next batch."""
+    return client._asked_ahead is not None

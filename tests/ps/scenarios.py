@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ivyplug.ps import PSClient, PSConfig
+from tests.ps import introspection
 from tests.ps.diffs import max_abs_diff
 
 
@@ -196,10 +197,14 @@ def dispatch(rank: int, world: int, slow_rank: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     client = start(model, opt, mode="async", timeout=30.0)
     epochs: list[list[int]] = []
+    ahead = 0  # requests rank 1 (asking over the wire) sent ahead of its next batch
     for epoch in range(2):
         client.start_epoch(epoch, 30)
+        if rank == 1:
+            introspection.ask_ahead_now(client)
         got = []
         while (index := client.next_batch()) is not None:
+            ahead += introspection.asked_ahead(client)
             got.append(index)
             x, y = batch(index, 4)
             model.zero_grad()
@@ -211,7 +216,10 @@ def dispatch(rank: int, world: int, slow_rank: int) -> dict[str, Any]:
         client.sync()
     # a third epoch that rank 1 (asking over the wire) stops after one batch each: nothing more is handed out
     client.start_epoch(2, 30)
+    if rank == 1:
+        introspection.ask_ahead_now(client)  # it holds an index asked ahead when it stops
     got = [client.next_batch()]
+    ahead += introspection.asked_ahead(client)
     x, y = batch(got[0], 4)
     model.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -229,7 +237,7 @@ def dispatch(rank: int, world: int, slow_rank: int) -> dict[str, Any]:
     stopped = client.stop_requested()
     metrics = client.metrics()
     client.close()
-    return {"epochs": epochs, "after_stop": after_stop, "stopped": stopped, "metrics": metrics}
+    return {"epochs": epochs, "after_stop": after_stop, "stopped": stopped, "metrics": metrics, "ahead": ahead}
 
 
 def dedicated_servers(rank: int, world: int) -> dict[str, Any]:

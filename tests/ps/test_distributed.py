@@ -143,6 +143,8 @@ def _check_ssp(results: list[dict[str, Any]], staleness: int, slow: int) -> None
 
 
 def test_dispatch_every_batch_once_per_epoch_and_slow_worker_gets_fewer(world2: list) -> None:
+    """Rank 1 asks one index ahead of each batch (as over a slow link): every index is still trained once."""
+    assert world2[1]["dispatch"]["ahead"] >= 10 and world2[0]["dispatch"]["ahead"] == 0
     for epoch in range(2):
         got = [r["dispatch"]["epochs"][epoch] for r in world2]
         assert sorted(got[0] + got[1]) == list(range(30))

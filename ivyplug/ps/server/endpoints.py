@@ -151,7 +151,9 @@ class InProcessEndpoint:
         self.target.load(state)
 
 
-class _WireReply:
+class WireReply:
+    """The reply to one request of a :class:`WireEndpoint`, received when asked for (its receives are posted)."""
+
     def __init__(
         self,
         endpoint: WireEndpoint,
@@ -257,7 +259,7 @@ class WireEndpoint:
         self._stats = stats if stats is not None else WireStats()
         self._reply_buf: torch.Tensor | None = None  # reused: a reply is unpacked before the next request
         self._decoded: torch.Tensor | None = None
-        self._open: _WireReply | None = None  # the last reply asked for, until it is received whole
+        self._open: WireReply | None = None  # the last reply asked for, until it is received whole
         self._seq = 0
         #: set (PSConfig.wire_dtype other than "float32"): pushes and pulls travel as bf16 (wire/codecs.py)
         self.bf16: Bf16Codec | None = None
@@ -291,7 +293,7 @@ class WireEndpoint:
         what: str = "",
         into: Targets | None = None,
         **args: int,
-    ) -> _WireReply:
+    ) -> WireReply:
         if self._open is not None:  # the last reply on this stream, left unread by a step that failed elsewhere
             self._open.drain(self.channel.timeout)
         self._seq += 1
@@ -334,7 +336,7 @@ class WireEndpoint:
         hbuf, works = self.channel.post_reply(self.dst, None if shm else out, self.shard + 1, split=split)
         h = Header(kind=kind, sender=self.channel.rank, shard=self.shard, seq=self._seq, **args)
         self._stats.bytes_sent += self.channel.send(self.dst, h, data, hyper, wait=False)
-        self._open = _WireReply(self, hbuf, works, out, what or f"a kind-{kind} request for shard {self.shard}", into)
+        self._open = WireReply(self, hbuf, works, out, what or f"a kind-{kind} request for shard {self.shard}", into)
         return self._open
 
     def _into_region(self, data: Payload) -> None:
@@ -437,6 +439,7 @@ __all__ = [
     "PendingReply",
     "ShardEndpoint",
     "WireEndpoint",
+    "WireReply",
     "WireStats",
     "load_state_bytes",
 ]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.server.batch_queue import WAIT, check_count, check_epoch
-from ivyplug.ps.server.endpoints import PendingReply, PSServerError, WireEndpoint, WireStats
+from ivyplug.ps.server.endpoints import PendingReply, PSServerError, WireEndpoint, WireReply, WireStats
 from ivyplug.ps.server.mirror import OptimizerSpec, is_elementwise
 from ivyplug.ps.server.shard import load_state_bytes
 from ivyplug.ps.sharding import ShardPlan, auto_max_shard_bytes, build_plan, tensor_specs
@@ -36,6 +36,7 @@ from ivyplug.ps.wire.messages import BatchAsk, Header, Kind
 from ivyplug.ps.wire.push import PushFlag, encode_mask, nonfinite_in, nonfinite_in_parts
 from ivyplug.ps.wire.transport import PSProtocolError, PSTimeoutError
 from ivyplug.ps.worker import checkpoint, service_link, topology
+from ivyplug.ps.worker.ask_ahead import AskAhead
 from ivyplug.ps.worker.early_push import WASTED_STEPS, EarlyPush
 from ivyplug.ps.worker.layout import FlatLayout
 from ivyplug.ps.worker.member_group import MemberGroup
@@ -97,6 +98,9 @@ class PSClient:
         self.stop = threading.Event()
         self.epoch: int | None = None
         self._epoch_ended = False
+        #: the batch queue's answer to a request sent ahead, while the last batch trained (``_ask_queue``)
+        self._asked_ahead: WireReply | None = None
+        self._ask_ahead = AskAhead()
         self.closed = False
         #: the error of a request to servers outside the workers (an ivyplug serve, dedicated servers), if one failed
         self.unreachable: BaseException | None = None
@@ -521,6 +525,8 @@ class PSClient:
                 request.header(self.cfg.timeout)
         self.epoch = epoch
         self._epoch_ended = False
+        self._asked_ahead = None  # (one of a stopped epoch: its answer is drained by the next request)
+        self._ask_ahead.start_epoch()
         self.workers.barrier(f"every worker to start epoch {epoch}")
 
     def next_batch(self, finished: int = 0) -> int | None:
@@ -550,10 +556,23 @@ class PSClient:
         assert self.epoch is not None
         if self.topo.queue is not None:
             return self._wait_for_batch(self.topo.queue.take(self.rank, self.epoch, finished, ask == BatchAsk.WAIT))
-        assert self.topo.queue_endpoint is not None
+        endpoint = self.topo.queue_endpoint
+        assert endpoint is not None
         with self._servers_named():
-            request = self.topo.queue_endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg1=finished, arg2=ask)
-            return request.header(self.cfg.timeout).arg0
+            request, self._asked_ahead = self._asked_ahead, None
+            if request is None or ask != BatchAsk.NOW:
+                sent = self._ask_ahead.now()
+                request = endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg1=finished, arg2=ask)
+                index = request.header(self.cfg.timeout).arg0
+                if ask == BatchAsk.NOW:
+                    self._ask_ahead.answered(sent, self._ask_ahead.now())
+            else:
+                index = request.header(self.cfg.timeout).arg0
+            if index >= 0 and self._ask_ahead.enabled:
+                # ask for the next index now, while this batch trains (worker/ask_ahead.py): the queue counts it as
+                # held, like an index a data loader fetched ahead, so nothing is lost with this worker
+                self._asked_ahead = endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg1=finished, arg2=BatchAsk.NOW)
+            return index
 
     def end_epoch(self) -> None:
         """This worker trained every batch it got in the current epoch: a worker waiting for them goes on.
@@ -564,6 +583,7 @@ class PSClient:
         if self.epoch is None or self._epoch_ended:
             return
         self._epoch_ended = True
+        self._asked_ahead = None
         if self.topo.queue is not None:
             self.topo.queue.finish(self.rank, self.epoch)
         elif self.topo.queue_endpoint is not None:
@@ -580,6 +600,7 @@ class PSClient:
         self._check_open()
         if self.epoch is None:
             raise RuntimeError("stop_epoch() before start_epoch(): call start_epoch(epoch, num_batches) first")
+        self._asked_ahead = None  # its index, if any, is not trained: this worker stops here
         if self.topo.queue is not None:
             self.topo.queue.stop(self.rank, self.epoch)
         else:

@@ -79,8 +79,6 @@ class ShardEndpoint(Protocol):
 
     def idle(self, worker: int) -> None: ...
 
-    def norm(self, step: int, shard: int, sq: float) -> None: ...
-
     def state(self) -> bytes: ...
 
     def load(self, state: dict[str, Any]) -> None: ...
@@ -140,9 +138,6 @@ class InProcessEndpoint:
 
     def idle(self, worker: int) -> None:
         self.target.idle(worker)
-
-    def norm(self, step: int, shard: int, sq: float) -> None:
-        self.target.norm(step, shard, sq)
 
     def state(self) -> bytes:
         return self.target.state()
@@ -418,10 +413,6 @@ class WireEndpoint:
 
     def idle(self, worker: int) -> None:
         self.send(Kind.IDLE)
-
-    def norm(self, step: int, shard: int, sq: float) -> None:
-        h = Header(kind=Kind.NORM, sender=self.channel.rank, shard=self.shard, arg0=step, arg1=shard)
-        self.channel.send(self.dst, h, None, torch.tensor([sq], dtype=torch.float64), wait=False)
 
     def state(self) -> bytes:
         timeout = self.channel.timeout

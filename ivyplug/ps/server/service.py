@@ -45,7 +45,6 @@ import torch.distributed as dist
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
 from ivyplug.ps.server import job_description
 from ivyplug.ps.server.batch_queue import BatchQueue
-from ivyplug.ps.server.endpoints import InProcessEndpoint
 from ivyplug.ps.server.loop import MAX_BLOB_BYTES, ServerLoop
 from ivyplug.ps.server.mirror import OptimizerSpec
 from ivyplug.ps.server.shard import Shard, load_state_bytes
@@ -605,7 +604,7 @@ class PSService:
                 raise ValueError(f"initial values of shard {s} must be a flat float32 tensor")
             shards[s] = Shard(s, plan, cfg, num_workers, spec, init)
         for shard in shards.values():
-            shard.connect_peers({s: InProcessEndpoint(other) for s, other in shards.items() if s != shard.shard})
+            shard.connect_peers({s: other for s, other in shards.items() if s != shard.shard})  # in-process peers
         return ServedJob(desc, cfg, plan, spec, num_workers, shards, BatchQueue(num_workers))
 
     def _leave(self, slot: int, reason: str | None, member: int | None = None) -> None:

@@ -31,6 +31,7 @@ from ivyplug.ps.server.dedicated import check_ps_host, launch, ps_host
 from ivyplug.ps.server.endpoints import InProcessEndpoint, ShardEndpoint, WireEndpoint, WireStats
 from ivyplug.ps.server.loop import ServerLoop
 from ivyplug.ps.server.mirror import OptimizerSpec
+from ivyplug.ps.server.peers import WirePeer
 from ivyplug.ps.server.shard import Shard
 from ivyplug.ps.sharding import ShardPlan
 from ivyplug.ps.wire import gloo_net
@@ -95,8 +96,9 @@ def colocated(job: WorkerJob) -> Topology:
         if s != rank:
             assert channel is not None
             endpoints[s] = WireEndpoint(channel, s, s, plan.shard_numel(s), stats)
-    # the sync-mode norm exchange: shard to shard over the same wire endpoints
-    local.connect_peers({s: ep for s, ep in endpoints.items() if s != rank})
+    # the sync-mode norm exchange: shard to shard, through the server side (server/peers.py)
+    if channel is not None:
+        local.connect_peers({s: WirePeer(channel, s) for s in endpoints if s != rank})
     topo = Topology(endpoints, local=local, channel=channel, p2p_group=channel.group if channel else None)
     topo.queue = BatchQueue(world_size) if rank == 0 else None
     if channel is not None:

@@ -6,9 +6,12 @@ group's collectives (``reduce``/``broadcast``/``barrier`` for ``sync_dist``, ``M
 
 * no ``DistributedDataParallel`` wrapper: gradients go to the PS, which owns the optimizer. Without the
   wrapper nothing copies rank 0's initial weights, so every rank pulls the servers' copy at setup;
-* ``optimizer_step`` runs Lightning's closure (forward, backward, before-step hooks), then pushes the
-  gradients and pulls fresh parameters (``PSClient.step``) instead of stepping the local optimizer.
-  The local optimizer only carries the hyperparameters (so LR schedulers keep working);
+* the module's optimizers are wrapped in ``PSOptimizer`` (ps/worker/optimizer.py): Lightning calls
+  ``step(closure)`` as for any optimizer (automatic or manual optimization, its precision plugins), and the
+  wrapper runs the closure (forward, backward, before-step hooks), pushes the gradients and pulls fresh
+  parameters (``PSClient.step``) instead of stepping the local optimizer, which only carries the
+  hyperparameters (so LR schedulers keep working). Several optimizers of one class (a GAN's) share the PS:
+  each step pushes its own parameters' gradients;
 * norm clipping (``gradient_clip_val``) is not applied locally: the precision plugin's
   ``clip_gradients`` records the requested norm and the PS clips the combined gradient once;
 * before validation, a checkpoint and the end of fit every rank applies in-flight pushes and pulls
@@ -24,9 +27,10 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -59,6 +63,7 @@ from ivyplug.localsgd.optimizer_protocol import DeltaExchangingOptimizer
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.wire import gloo_net, typed_state
 from ivyplug.ps.worker.member_group import MemberGroup, bytes_tensor, tensor_bytes
+from ivyplug.ps.worker.optimizer import PSOptimizer, served_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +224,7 @@ class IvyPSStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self._client: Any = None
-        self._samples_since_step = 0
+        self._samples: list[int] = []  # per optimizer: samples since its last step (sync weights pushes by them)
         self._local_updates: DeltaExchangingOptimizer | None = None  # an optimizer that steps locally (AsyncLAMB)
         self._clip_norm: float | None = None
         self._in_train_batch = False
@@ -262,11 +267,6 @@ class IvyPSStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         problems: list[str] = []
-        if model is not None and not getattr(model, "automatic_optimization", True):
-            problems.append(
-                "manual optimization (automatic_optimization = False): the PS applies the optimizer step, so use "
-                "automatic optimization with a single optimizer"
-            )
         if self.is_async:
             problems += per_step_collective_problems(trainer)
         if problems:
@@ -308,26 +308,31 @@ class IvyPSStrategy(DDPStrategy):
             return
         module = self.lightning_module
         assert module is not None
-        if not module.automatic_optimization:
-            raise ValueError("IvyPSStrategy needs automatic optimization (the PS applies the optimizer step)")
-        if len(self.optimizers) != 1:
-            raise ValueError(f"IvyPSStrategy supports exactly one optimizer, got {len(self.optimizers)}")
+        optimizers = list(self.optimizers)
+        if not optimizers:
+            raise ValueError("IvyPSStrategy needs an optimizer (configure_optimizers returned none)")
+        if len(optimizers) > 1 and any(isinstance(o, DeltaExchangingOptimizer) for o in optimizers):
+            raise ValueError(
+                "IvyPSStrategy takes local updates (AsyncLAMB, LocalUpdates) as the only optimizer, got "
+                f"{len(optimizers)} optimizers"
+            )
+        if len(optimizers) > 1 and self.ps_config.overlap_backward:
+            raise ValueError("overlap_backward=True pushes every gradient at backward: use it with one optimizer")
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
                 "IvyPSStrategy does not support loss scaling (precision='16-mixed'); use 'bf16-mixed' or 32"
             )
         from ivyplug.ps import PSClient
 
-        optimizer = self.optimizers[0]
         # local updates (AsyncLAMB): the worker steps and pushes deltas itself; the servers run its outer optimizer
-        local = optimizer if isinstance(optimizer, DeltaExchangingOptimizer) else None
+        local = optimizers[0] if isinstance(optimizers[0], DeltaExchangingOptimizer) else None
         self._local_updates = local
         params: list[Any] = list(module.named_parameters())
         buffers: list[Any] = list(module.named_buffers())
         ps_tensors = getattr(local, "ps_tensors", None)
         if ps_tensors is not None:  # overlapped exchanges: the client holds shadow copies, never the model's
             params, buffers = ps_tensors(params, buffers)
-        served = optimizer if local is None else local.outer_optimizer(self.mode, self.world_size)
+        served = served_optimizer(optimizers) if local is None else local.outer_optimizer(self.mode, self.world_size)
         self._client = PSClient.start(
             self.ps_config,
             params=params,
@@ -339,15 +344,34 @@ class IvyPSStrategy(DDPStrategy):
         self._client.pull_initial()
         if local is not None:
             local.attach(self._client)
-        self._samples_since_step = 0
-        if local is None:  # local steps clip locally, as Lightning does
+        else:  # the PS takes each optimizer's step; local steps clip locally, as Lightning does
+            self._samples = [0] * len(optimizers)
             self._install_clip_recorder()
+            self.optimizers = [
+                PSOptimizer(
+                    opt,
+                    self._client,
+                    num_samples=functools.partial(self._take_samples, k),
+                    max_grad_norm=self._take_clip_norm,
+                )
+                for k, opt in enumerate(optimizers)
+            ]
         # the gathered per-rank PS metrics are identical on every rank: no sync_dist needed
         warnings.filterwarnings("ignore", message=r".*self\.log\('ivy/rank\d+/.*sync_dist=True")
         self._metrics_logger = PSMetricsLogger(self)
         trainer.callbacks.insert(0, self._metrics_logger)
         if self.is_async:
             self._install_epoch_loop_patches(trainer)
+
+    def _take_samples(self, k: int) -> int:
+        """The samples optimizer ``k`` stepped on since its last step (at least 1), counted from zero again."""
+        samples, self._samples[k] = max(self._samples[k], 1), 0
+        return samples
+
+    def _take_clip_norm(self) -> float | None:
+        """The norm the step's closure asked to clip to (``clip_gradients``), if any; forgotten for the next step."""
+        norm, self._clip_norm = self._clip_norm, None
+        return norm
 
     def _install_clip_recorder(self) -> None:
         """Norm clipping is done by the PS on the combined gradient; record the requested norm instead."""
@@ -419,6 +443,8 @@ class IvyPSStrategy(DDPStrategy):
             self._lost_ranks = client.lost_ranks
         self._client = None
         self._remove_patches(getattr(self.lightning_module, "_trainer", None))
+        if any(isinstance(o, PSOptimizer) for o in self.optimizers):  # the module's own optimizers again
+            self.optimizers = [o.optimizer if isinstance(o, PSOptimizer) else o for o in self.optimizers]
         detach = getattr(self._local_updates, "detach", None)
         try:
             if detach is not None and client is not None:  # an overlapped exchange still in flight (a failed fit)
@@ -447,9 +473,10 @@ class IvyPSStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         try:
-            self._samples_since_step += int(extract_batch_size(batch))
+            size = int(extract_batch_size(batch))
         except Exception:  # a batch Lightning cannot size counts as one sample
-            self._samples_since_step += 1
+            size = 1
+        self._samples = [n + size for n in self._samples]
 
     # ------------------------------------------------------------------ the step
     @override
@@ -461,26 +488,6 @@ class IvyPSStrategy(DDPStrategy):
             return
         with self._client.hold_pushes():
             yield
-
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Closure (forward, backward, before-step hooks), then push gradients and pull parameters."""
-        if self._client is None:
-            raise RuntimeError("IvyPSStrategy.optimizer_step called outside fit (no PS client)")
-        if self._local_updates is not None:  # a local step; the optimizer exchanges with the PS itself
-            self._samples_since_step = 0
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        model = model if model is not None else self.lightning_module
-        self._clip_norm = None
-        closure_result = self.precision_plugin._wrap_closure(model, optimizer, closure)
-        num_samples, self._samples_since_step = max(self._samples_since_step, 1), 0
-        self._client.step(num_samples=num_samples, max_grad_norm=self._clip_norm)
-        return closure_result
 
     # ------------------------------------------------------------------ collectives
     @property
@@ -630,14 +637,15 @@ class IvyPSStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The first optimizer's entry holds the PS state (collective: every rank saves); each holds its own
+        hyperparameters."""
         if self._client is None:
             return super().optimizer_state(optimizer)
-        return {
-            CHECKPOINT_KEY: self._client.state_dict(),
-            "format": CHECKPOINT_FORMAT,
-            "mode": self.mode,
-            "worker_optimizer": optimizer.state_dict(),
-        }
+        state: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "mode": self.mode}
+        if optimizer is self.optimizers[0]:
+            state[CHECKPOINT_KEY] = self._client.state_dict()
+        state["worker_optimizer"] = optimizer.state_dict()
+        return state
 
     @staticmethod
     def _check_resumable(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -668,7 +676,13 @@ class IvyPSStrategy(DDPStrategy):
         state = self._check_resumable(checkpoint)
         if self._client is None:
             raise RuntimeError("IvyPSStrategy.load_optimizer_state_dict called before the PS client started")
-        self.optimizers[0].load_state_dict(state["worker_optimizer"])
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"this checkpoint holds {len(states)} optimizers' states; the module configures {len(self.optimizers)}"
+            )
+        for optimizer, entry in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(entry["worker_optimizer"])
         self._client.load_state_dict(state[CHECKPOINT_KEY])  # collective; ends with every rank pulling
         if self._local_updates is not None:
             self._local_updates.reset_snapshot()

@@ -1,6 +1,6 @@
 """Parameter server on torch.distributed (gloo point-to-point), framework-free apart from torch.
 
-``from ivyplug.ps import PSConfig, PSClient`` — see docs/design.md for how a step flows. ``PSConfig``
+``from ivyplug.ps import PSConfig, PSClient, PSOptimizer`` — see docs/design.md for how a step flows. ``PSConfig``
 (validation only) is importable without torch; everything else loads torch on first use.
 
 Three subpackages, each importing only those after it: ``worker`` (``PSClient`` and how it reaches the
@@ -18,6 +18,7 @@ __all__ = [
     "STALENESS_SCALINGS",
     "PSClient",
     "PSConfig",
+    "PSOptimizer",
     "PSProtocolError",
     "PSTimeoutError",
     "ShardPlan",
@@ -27,6 +28,7 @@ __all__ = [
 
 _LAZY = {
     "PSClient": "ivyplug.ps.worker.client",
+    "PSOptimizer": "ivyplug.ps.worker.optimizer",
     "PSTimeoutError": "ivyplug.ps.wire.transport",
     "PSProtocolError": "ivyplug.ps.wire.transport",
     "ShardPlan": "ivyplug.ps.sharding",

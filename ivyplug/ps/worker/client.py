@@ -15,7 +15,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
@@ -40,6 +40,7 @@ from ivyplug.ps.worker.ask_ahead import AskAhead
 from ivyplug.ps.worker.early_push import WASTED_STEPS, EarlyPush
 from ivyplug.ps.worker.layout import FlatLayout
 from ivyplug.ps.worker.member_group import MemberGroup
+from ivyplug.ps.worker.optimizer import mark_stepped
 from ivyplug.ps.worker.worker_group import WorkerGroup
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
@@ -349,7 +350,14 @@ class PSClient:
         self.m.pulls += 1
         self._arm_early()
 
-    def step(self, num_samples: int, max_grad_norm: float | None = None, *, delta: bool = False) -> None:
+    def step(
+        self,
+        num_samples: int,
+        max_grad_norm: float | None = None,
+        *,
+        delta: bool = False,
+        params: Collection[torch.Tensor] | None = None,
+    ) -> None:
         """Push this worker's gradients (+ buffers, hyperparameters), wait as the mode says, pull.
 
         ``delta=True``: the ``.grad`` fields hold a local-update pseudo-gradient (localsgd/delta_exchange.py), which
@@ -357,26 +365,47 @@ class PSClient:
         ``num_samples`` weights this worker's gradient in sync mode (uneven batches stay unbiased).
         ``max_grad_norm``: sync clips by the global norm of the combined gradient (computed by the servers);
         async/ssp clip each push by its own global norm here, before pushing.
+        ``params``: push only these parameters' gradients (one of several optimizers' steps, ps/worker/optimizer.py);
+        the others count as having none, so the servers leave them as they are. Default: every parameter.
         """
         self._check_open()
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
             raise ValueError(f"num_samples must be an int > 0, got {num_samples!r}")
         if max_grad_norm is not None and (not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
             raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
-        clip = 1.0
-        if max_grad_norm is not None and self.cfg.mode != "sync":
-            grads = [p.grad for _, p in self.params if p.grad is not None]
-            if grads:
-                total = torch.nn.utils.get_total_norm(grads)
-                clip = float(torch.clamp(max_grad_norm / (total + 1e-6), max=1.0))
         sync_clip = float(max_grad_norm) if (max_grad_norm is not None and self.cfg.mode == "sync") else -1.0
         if sync_clip >= 0 and self.topo.others:
             raise ValueError(
                 "max_grad_norm in sync mode clips by the global norm, which the shards of a job on several ivyplug "
                 "serve processes cannot combine (yet): hold every shard in one service, or clip in async/ssp"
             )
-        with self._exclusive("a step"):
-            self._step(num_samples, max_grad_norm, delta, clip, sync_clip)
+        with self._only(params):
+            clip = 1.0
+            if max_grad_norm is not None and self.cfg.mode != "sync":
+                grads = [p.grad for _, p in self.params if p.grad is not None]
+                if grads:
+                    total = torch.nn.utils.get_total_norm(grads)
+                    clip = float(torch.clamp(max_grad_norm / (total + 1e-6), max=1.0))
+            with self._exclusive("a step"):
+                self._step(num_samples, max_grad_norm, delta, clip, sync_clip)
+
+    @contextlib.contextmanager
+    def _only(self, params: Collection[torch.Tensor] | None) -> Iterator[None]:
+        """Hide the gradients of the parameters outside ``params`` (None: none hidden) while a step packs them."""
+        if params is None:
+            yield
+            return
+        if self.early is not None:
+            raise ValueError("a step of some parameters only cannot be combined with overlap_backward=True")
+        keep = {id(p) for p in params}
+        hidden = [(p, p.grad) for _, p in self.params if id(p) not in keep and p.grad is not None]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            yield
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
 
     def _step(self, num_samples: int, max_grad_norm: float | None, delta: bool, clip: float, sync_clip: float) -> None:
         early: set[int] = set()
@@ -410,9 +439,7 @@ class PSClient:
         self.combined_grad_sq_norm = grad_sq if self.cfg.mode == "sync" and math.isfinite(grad_sq) else None
         self.m.pushes += 1
         self.m.pulls += 1
-        # the servers stepped this optimizer's mirror: tell LR schedulers so (they warn otherwise)
-        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
-            self.optimizer._opt_called = True
+        mark_stepped(self.optimizer)  # the servers stepped this optimizer's mirror: LR schedulers warn otherwise
         if staleness:
             tau_max = max(staleness)
             self.m.staleness_sum += tau_max

@@ -130,7 +130,7 @@ class DigitsMLP(pl.LightningModule):
 
 
 class ManualOptMLP(DigitsMLP):
-    """Manual optimization: refused by IvyPSStrategy."""
+    """Manual optimization with one optimizer: ``opt.step()`` in ``training_step``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -142,3 +142,49 @@ class ManualOptMLP(DigitsMLP):
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()
+
+
+class DigitsGAN(pl.LightningModule):
+    """Lightning's GAN shape on the digits: a generator and a discriminator, one Adam each, manual optimization
+    with ``toggle_optimizer``; the noise of a batch depends only on the epoch, the batch and the rank, so two
+    strategies that see the same batches draw the same noise."""
+
+    def __init__(self, batch_size: int = 32, train_size: int = 320, noise: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(noise, 64), nn.Sigmoid())
+        self.discriminator = nn.Sequential(nn.Linear(64, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        real = batch[0]
+        seed = 100_000 * self.current_epoch + 10 * batch_idx + self.global_rank
+        z = torch.randn(len(real), self.hparams.noise, generator=torch.Generator().manual_seed(seed))
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        bce = nn.functional.binary_cross_entropy_with_logits
+        opt_g, opt_d = self.optimizers()
+
+        self.toggle_optimizer(opt_d)
+        d_loss = bce(self.discriminator(real), ones) + bce(self.discriminator(self.generator(z).detach()), zeros)
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+
+        self.toggle_optimizer(opt_g)
+        g_loss = bce(self.discriminator(self.generator(z)), ones)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+
+    def configure_optimizers(self) -> Any:
+        betas = (0.5, 0.999)
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=2e-3, betas=betas),
+            torch.optim.Adam(self.discriminator.parameters(), lr=1e-3, betas=betas),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        x, _, _, _ = digits_tensors()
+        return DataLoader(TensorDataset(x[: self.hparams.train_size]), batch_size=self.hparams.batch_size)

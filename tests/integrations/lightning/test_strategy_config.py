@@ -13,7 +13,7 @@ from ivyplug.integrations.lightning import IvyPSStrategy
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from .digits import DigitsMLP, ManualOptMLP
+from .digits import DigitsMLP
 
 
 @pytest.mark.parametrize(
@@ -82,8 +82,6 @@ def _trainer(mode: str, **kwargs: Any) -> Trainer:
         ("async", {"sync_batchnorm": True}, DigitsMLP, "sync_batchnorm"),
         ("async", {"max_steps": 10, "min_epochs": 2}, DigitsMLP, "max_steps together with min_steps/min_epochs"),
         ("ssp", {"max_steps": 10, "min_steps": 5}, DigitsMLP, "max_steps together with min_steps/min_epochs"),
-        ("sync", {}, ManualOptMLP, "manual optimization"),
-        ("async", {}, ManualOptMLP, "manual optimization"),
     ],
 )
 def test_fit_refused_before_spawning(

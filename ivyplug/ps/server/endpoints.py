@@ -309,7 +309,7 @@ class WireEndpoint:
                 args["flags"] = Flag.BF16
                 if self.pulled is not None:  # the reply: the difference from the copy held, or a whole one to keep
                     diff = self.pulled.held
-                    args["flags"] |= BLOCK_FLAGS[self.pulled.block.bits] | (Flag.DIFF if diff else Flag.KEEP)
+                    args["flags"] |= Flag.DIFF if diff else Flag.KEEP
                     out = out[: self.pulled.block.words] if diff else out
                 if data is not None:
                     assert isinstance(data, torch.Tensor), "a bf16 or quantized push is one flat tensor"

@@ -22,7 +22,7 @@ import torch
 from ivyplug.ps.server.batch_queue import BatchQueue
 from ivyplug.ps.server.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.wire import shared_region
-from ivyplug.ps.wire.codecs import PulledCopy
+from ivyplug.ps.wire.codecs import PULL_BITS, PulledCopy
 from ivyplug.ps.wire.messages import (
     MAX_ERROR_TEXT,
     BatchAsk,
@@ -185,8 +185,8 @@ class ServerLoop(threading.Thread):
         """fp32 elements of the reply payload a request of this kind expects (see worker/client.py)."""
         target = self.shards.get(request.shard)
         if request.kind in (Kind.PUSH_PULL, Kind.PULL) and target is not None:
-            if request.flags & Flag.DIFF and _block_bits(request.flags):
-                return target.block[_block_bits(request.flags)].words
+            if request.flags & Flag.DIFF and request.flags & Flag.BF16:
+                return target.block[PULL_BITS].words
             return target.bf16.words if request.flags & Flag.BF16 else target.n_total
         if request.kind == Kind.STATE_FETCH:
             return (len(self._state_blob) + 3) // 4
@@ -382,13 +382,12 @@ class ServerLoop(threading.Thread):
         """The copy of ``target`` that a KEEP or DIFF request's sender holds (wire/codecs.py PulledCopy), made
         for KEEP; None for a plain bf16 request. Only this request's reply touches it: a worker asks a shard
         again only after reading its reply."""
-        bits = _block_bits(request.flags)
-        if not request.flags & (Flag.DIFF | Flag.KEEP) or not bits:
+        if not request.flags & (Flag.DIFF | Flag.KEEP):
             return None
         key = (request.sender, request.shard)
         copy = self._pulled.get(key)
-        if copy is None or copy.block.bits != bits:
-            copy = self._pulled[key] = PulledCopy(target.block[bits], target.bf16)
+        if copy is None:
+            copy = self._pulled[key] = PulledCopy(target.block[PULL_BITS], target.bf16)
         return copy
 
     def _attach(self, h: Header, data: torch.Tensor | None) -> bool:

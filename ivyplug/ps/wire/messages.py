@@ -83,10 +83,10 @@ class Flag:
     #          region for that shard (shared_region.py), not on the wire; an error reply carries no payload
     INT8 = 16  # PUSH_PULL/PUSH_DATA: the request's payload is block-quantized to int8 (wire_codec.BlockCodec);
     #            with BF16 also set, its reply is bf16
-    INT4 = 32  # the same with int4; on a PULL or a PUSH_PULL with DIFF or KEEP, the bits of the pulls too
-    DIFF = 64  # PUSH_PULL/PULL with BF16 and INT8/INT4: the requester holds a pulled copy of the shard; the reply
-    #            is the block-quantized difference from it (codecs.PulledCopy), which both ends add to their copy
-    KEEP = 128  # PUSH_PULL/PULL with BF16 and INT8/INT4: the reply is bf16, and both ends keep it as the copy
+    INT4 = 32  # the same with int4
+    DIFF = 64  # PUSH_PULL/PULL with BF16: the requester holds a pulled copy of the shard; the reply is the int8
+    #            block-quantized difference from it (codecs.PulledCopy), which both ends add to their copy
+    KEEP = 128  # PUSH_PULL/PULL with BF16: the reply is bf16, and both ends keep it as the copy
 
 
 #: the flag of each block-quantized push, by its bits

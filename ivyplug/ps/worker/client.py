@@ -31,7 +31,7 @@ from ivyplug.ps.server.mirror import OptimizerSpec, is_elementwise
 from ivyplug.ps.server.shard import load_state_bytes
 from ivyplug.ps.sharding import ShardPlan, auto_max_shard_bytes, build_plan, tensor_specs
 from ivyplug.ps.wire import shared_region
-from ivyplug.ps.wire.codecs import BF16_OVERFLOW, BLOCK_BITS, Bf16Codec, BlockCodec, PulledCopy
+from ivyplug.ps.wire.codecs import BF16_OVERFLOW, BLOCK_BITS, PULL_BITS, Bf16Codec, BlockCodec, PulledCopy
 from ivyplug.ps.wire.messages import BatchAsk, Header, Kind
 from ivyplug.ps.wire.push import PushFlag, encode_mask, nonfinite_in, nonfinite_in_parts
 from ivyplug.ps.wire.transport import PSProtocolError, PSTimeoutError
@@ -198,7 +198,7 @@ class PSClient:
                 if cfg.wire_dtype in BLOCK_BITS:
                     bits = BLOCK_BITS[cfg.wire_dtype]
                     ep.block = BlockCodec(self.plan.shard_numel(s), self.plan.shard_param_numel(s), bits)
-                    pulls = BlockCodec(self.plan.shard_numel(s), self.plan.shard_param_numel(s), bits)
+                    pulls = BlockCodec(self.plan.shard_numel(s), self.plan.shard_param_numel(s), PULL_BITS)
                     ep.pulled = PulledCopy(pulls, ep.bf16)
             elif not self._share(s, ep):  # fp32: cut so that large tensors travel in place (wire/segments.py)
                 ep.segments = self.layout.segments[s]

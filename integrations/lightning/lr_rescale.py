@@ -20,9 +20,10 @@ def rescale_lr(
             group["lr"] *= factor
             if "initial_lr" in group:
                 group["initial_lr"] *= factor
+        owners = (opt, getattr(opt, "optimizer", opt))  # a wrapper's (PSOptimizer's) schedulers hold what it wraps
         for config in scheduler_configs:
             scheduler = config.scheduler
-            if getattr(scheduler, "optimizer", None) is opt and hasattr(scheduler, "base_lrs"):
+            if any(getattr(scheduler, "optimizer", None) is o for o in owners) and hasattr(scheduler, "base_lrs"):
                 scheduler.base_lrs = [b * factor for b in scheduler.base_lrs]
         if i == 0:
             first = factor

@@ -29,9 +29,14 @@ def check_rule(rule: str) -> str:
 def lr_rule_for(optimizer: object) -> str:
     """``"sqrt"`` or ``"linear"`` for an optimizer instance, class or class name.
 
-    Subclasses inherit their base's rule (a custom ``class MyAdam(torch.optim.Adam)`` is ``"sqrt"``).
-    An optimizer the rule table does not know is an error rather than a guess.
+    Subclasses inherit their base's rule (a custom ``class MyAdam(torch.optim.Adam)`` is ``"sqrt"``), and a
+    wrapper that holds the optimizer it steps as ``.optimizer`` (ivyplug's ``PSOptimizer``, Lightning's
+    ``LightningOptimizer``) takes that optimizer's rule. An optimizer the rule table does not know is an error
+    rather than a guess.
     """
+    wrapped = getattr(optimizer, "optimizer", None) if not isinstance(optimizer, (str, type)) else None
+    if wrapped is not None and wrapped is not optimizer and not isinstance(wrapped, (str, type)):
+        return lr_rule_for(wrapped)
     if isinstance(optimizer, str):
         names = [optimizer]
     else:

@@ -40,6 +40,21 @@ def test_auto_rule_per_optimizer() -> None:
         lr_rule_for(torch.optim.Adagrad)
 
 
+def test_a_wrapper_takes_the_rule_of_the_optimizer_it_wraps() -> None:
+    """The PS's optimizer wrapper (what the Lightning strategy hands Lightning) has the wrapped optimizer's rule."""
+    import torch
+
+    from ivyplug.ps import PSClient, PSConfig, PSOptimizer
+
+    w = torch.nn.Parameter(torch.zeros(3))
+    for opt, rule in ((torch.optim.SGD([w], lr=0.1), "linear"), (torch.optim.AdamW([w]), "sqrt")):
+        client = PSClient.start(PSConfig(mode="sync"), [("w", w)], optimizer=opt)
+        try:
+            assert lr_rule_for(PSOptimizer(opt, client)) == rule
+        finally:
+            client.close()
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="lr_scaling must be one of"):
         lr_factor(1, 2, "cubic")

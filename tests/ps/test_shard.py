@@ -37,7 +37,7 @@ def _job(
     shards = [Shard(s, plan, PSConfig(mode=mode), 2, spec, layouts[0].shard_values(full, s)) for s in range(2)]
     endpoints = [InProcessEndpoint(sh) for sh in shards]
     for sh in shards:  # the norm exchange goes shard to shard, here in-process
-        sh.connect_peers({e.shard: e for e in endpoints})
+        sh.connect_peers({other.shard: other for other in shards})
     return models, layouts, endpoints, [spec, opts]
 
 

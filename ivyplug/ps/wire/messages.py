@@ -14,8 +14,8 @@ from dataclasses import dataclass, fields
 import torch
 
 MAGIC = 0x1B5F_5053  # "ivy PS"
-WIRE_VERSION = 5  # 2: payloads may travel cut into segments (Flag.SPLIT); 3: or in shared memory (Flag.SHM);
-#                  4: pushes may travel block-quantized (Flag.INT8, Flag.INT4); 5: pulls as differences (Flag.DIFF)
+WIRE_VERSION = 4  # 2: payloads may travel cut into segments (Flag.SPLIT); 3: or in shared memory (Flag.SHM);
+#                  4: pushes may travel block-quantized (Flag.INT8, Flag.INT4), pulls as differences (Flag.DIFF)
 HEADER_LEN = 16
 
 # tags on the PS point-to-point group

@@ -58,6 +58,7 @@ def main() -> int:
         client = PSClient.start(cfg, list(model.named_parameters()), [], opt)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
+        print(out["error"], file=sys.stderr)  # as a failure after the start would print it
         out["start_s"] = time.monotonic() - started  # how long PSClient.start waited before it failed
         with open(args.out, "w") as f:
             json.dump(out, f)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from ivyplug.ps import PSClient, PSConfig
+from ivyplug.ps.server.endpoints import PSServerError
+from ivyplug.ps.server.service import PSService
 from tests.ps.service_harness import result, serve, workers
 
 pytestmark = pytest.mark.timeout(240)
@@ -102,6 +107,37 @@ def test_a_frozen_worker_is_dropped_for_its_silence_and_refused_when_it_wakes(tm
         (rc, text), (rc2, text2) = w.wait(60)
         assert rc == 0, text
         assert rc2 != 0 and "was dropped by ivyplug serve" in text2 and "no heartbeat" in text2, text2[-3000:]
+
+
+def test_a_dropped_worker_is_refused_every_request_not_only_the_first() -> None:
+    """A worker may take a refused request for a fallback and go on (a refused SHM_ATTACH leaves its shard on
+    gloo): its next request must be refused too, with the same reason, not left to wait for its timeout (a
+    worker frozen while it attached its regions waited 60 s for a loop that had ended)."""
+    lines: list[str] = []
+    svc = PSService(2, port=0, num_workers=1, timeout=4, status_every=None, log=lines.append)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        cfg = PSConfig(mode="async", servers=svc.address, timeout=4)
+        client = PSClient.start(cfg, list(model.named_parameters()), [], torch.optim.SGD(model.parameters(), lr=0.1))
+        try:
+            client.pull_initial()
+            assert client.topo.link is not None and client.topo.link.heartbeat is not None
+            client.topo.link.heartbeat.stop()  # silent, its connection open: as a frozen or cut-off worker
+            deadline = time.monotonic() + 10
+            while not any("no heartbeat" in line for line in lines) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert any("no heartbeat" in line for line in lines), lines
+            for _ in range(3):
+                started = time.monotonic()
+                with pytest.raises(PSServerError, match="was dropped by ivyplug serve"):
+                    client.pull_initial()
+                assert time.monotonic() - started < 2.0  # answered, not timed out
+        finally:
+            with contextlib.suppress(Exception):
+                client.close()
+    finally:
+        svc.close()
 
 
 def test_sigterm_ends_serve_cleanly_with_a_last_snapshot(tmp_path: Path) -> None:

@@ -115,7 +115,8 @@ class ServerLoop(threading.Thread):
         self.bye_from: set[int] = set()
         self.error: BaseException | None = None
         #: set (to why) when an ``ivyplug serve`` dropped this member for its silence: whatever it sends later
-        #: is refused with that text, and the loop ends
+        #: is refused with that text, until it leaves or stays silent for the timeout (a worker may take a refused
+        #: request for a fallback, as a refused SHM_ATTACH is, and send another: that one is refused too)
         self.dropped: str | None = None
         self._state_blob = b""
         # (sender, shard) -> the buffer its pushes are received into. Reuse is safe: a shard takes a push
@@ -199,7 +200,9 @@ class ServerLoop(threading.Thread):
         while not self.expect_bye <= self.bye_from:
             refusal: str | None = None
             try:
-                header = self.channel.recv_request_header(peer)
+                # once dropped, a silent member ends the loop after the timeout (it waits for the next request)
+                wait = self.channel.timeout if self.dropped is not None else None
+                header = self.channel.recv_request_header(peer, wait)
                 if self.member is not None:
                     header.sender = 1  # the pair's other rank, whatever its header says
                     refusal = self._check_sizes(header)
@@ -218,7 +221,7 @@ class ServerLoop(threading.Thread):
                     nbytes = message_bytes(numel, header.n_hyper)
                     self.traffic.count(int(header.kind == Kind.PUSH_PULL), nbytes, 0)
             except BaseException as exc:  # the group is unusable (or, for a member, it broke the protocol)
-                self.error = exc
+                self.error = exc if self.dropped is None else PSProtocolError(self.dropped)
                 if self.member is None:
                     print(
                         f"[ivyplug.ps] server loop on rank {self.channel.rank} ended: {exc}",
@@ -230,12 +233,15 @@ class ServerLoop(threading.Thread):
                 return
             if self.dropped is not None:  # it was silent too long and left; the others went on without it
                 self.error = PSProtocolError(self.dropped)
+                if header.kind == Kind.BYE:
+                    return
                 if header.kind in _WANTS_REPLY:
                     try:
                         self._reply_error(header.sender, header, self.dropped)
                     except Exception as reply_exc:  # it is gone after all
                         self._unanswered(header.sender, reply_exc)
-                return
+                        return
+                continue
             try:
                 if refusal is not None:
                     raise PSProtocolError(refusal)

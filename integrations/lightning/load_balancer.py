@@ -18,15 +18,11 @@ import torch
 from ivyplug.integrations.lightning.balancer_noise import fit_noise_source, noise_source, warn_no_estimate
 from ivyplug.integrations.lightning.epoch_meter import EpochMeter, samples_in
 from ivyplug.integrations.lightning.json_collectives import all_gather_json, broadcast_json
+from ivyplug.integrations.lightning.lightning_internals import give_back_ddp_comm_hook, take_ddp_comm_hook
 from ivyplug.integrations.lightning.lr_rescale import rescale_lr
 from ivyplug.integrations.lightning.oom_recovery import OOMRecovery
 from ivyplug.integrations.lightning.share_sampler import ShareBatchSampler, share_loader
-from ivyplug.integrations.lightning.weighted_comm_hook import (
-    ShareHookState,
-    give_back_user_hook,
-    register_share_hook,
-    take_user_hook,
-)
+from ivyplug.integrations.lightning.weighted_comm_hook import ShareHookState, register_share_hook
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -189,7 +185,7 @@ class IvyLoadBalancer(CoreState, Callback):
             self._orig_process = strategy.process_dataloader
             strategy.process_dataloader = self._process_dataloader  # type: ignore[method-assign]
         if isinstance(strategy, DDPStrategy):
-            taken = take_user_hook(strategy, self.share_options.comm_hook)
+            taken = take_ddp_comm_hook(strategy, self.share_options.comm_hook)
             if taken is not None:
                 self._user_hook, self._taken_hook = taken
 
@@ -204,7 +200,7 @@ class IvyLoadBalancer(CoreState, Callback):
             self._orig_process = None
         self._trainer_ref = None
         if self._taken_hook is not None:  # give the user's hook back to the strategy (a later fit may reuse it)
-            give_back_user_hook(trainer.strategy, self._taken_hook)
+            give_back_ddp_comm_hook(trainer.strategy, self._taken_hook)
             self._taken_hook = self._user_hook = None
         if self._oom is not None:
             self._oom.remove()

@@ -34,7 +34,6 @@ from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
-import lightning
 import torch
 import torch.distributed
 from ivyplug.integrations.lightning import registration
@@ -45,17 +44,21 @@ from ivyplug.integrations.lightning.launchers import (
     CheckedSubprocessScriptLauncher,
     destroy_default_group,
 )
+from ivyplug.integrations.lightning.lightning_internals import (
+    init_dist_connection,
+    patch_epoch_loop,
+    record_norm_clipping,
+    restore_clipping,
+    unpatch_epoch_loop,
+)
 from ivyplug.integrations.lightning.ps_metrics import PSMetricsLogger
 from ivyplug.integrations.lightning.trainer_checks import per_step_collective_problems
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -71,8 +74,6 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "ivyplug_ps"
 CHECKPOINT_FORMAT = 1
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-#: Lightning versions whose training epoch loop was checked for per-batch collectives.
-_CHECKED_LIGHTNING = ("2.4.", "2.5.", "2.6.")
 
 
 def _release_default_group(launcher: Any) -> None:
@@ -84,7 +85,7 @@ def _release_default_group(launcher: Any) -> None:
     it once): destroying it here made that next stage rendezvous again on the same port while the other
     rank still held the old store ("Connection refused", or a hang). Those ranks destroy it at exit.
     """
-    if isinstance(launcher, _MultiProcessingLauncher):
+    if isinstance(launcher, CheckedMultiProcessingLauncher):
         destroy_default_group()
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         global _EXIT_HOOK_INSTALLED
@@ -297,7 +298,7 @@ class IvyPSStrategy(DDPStrategy):
             kwargs["store"] = store
         # gloo binds the interface that reaches the main address unless GLOO_SOCKET_IFNAME says otherwise
         with gloo_net.interface_for(self.cluster_environment.main_address):
-            _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+            init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: gradients travel through the PS."""
@@ -346,7 +347,7 @@ class IvyPSStrategy(DDPStrategy):
             local.attach(self._client)
         else:  # the PS takes each optimizer's step; local steps clip locally, as Lightning does
             self._samples = [0] * len(optimizers)
-            self._install_clip_recorder()
+            record_norm_clipping(self.precision_plugin, self._record_clip_norm)
             self.optimizers = [
                 PSOptimizer(
                     opt,
@@ -373,65 +374,30 @@ class IvyPSStrategy(DDPStrategy):
         norm, self._clip_norm = self._clip_norm, None
         return norm
 
-    def _install_clip_recorder(self) -> None:
-        """Norm clipping is done by the PS on the combined gradient; record the requested norm instead."""
-        plugin = self.precision_plugin
-        local_clip = type(plugin).clip_gradients.__get__(plugin)
+    def _record_clip_norm(self, norm: float) -> None:
+        self._clip_norm = norm
 
-        def clip_gradients(
-            optimizer: Optimizer,
-            clip_val: float = 0.0,
-            gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-        ) -> None:
-            if clip_val is None or clip_val <= 0:
-                return
-            if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-                self._clip_norm = float(clip_val)
-            else:  # element-wise clipping is local by nature
-                local_clip(optimizer, clip_val, gradient_clip_algorithm)
+    def _set_in_train_batch(self, inside: bool) -> None:
+        self._in_train_batch = inside
 
-        plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
+    def _stop_requested(self, received_sigterm: bool) -> bool:
+        """Whether any worker received SIGTERM (told to the others through the PS when this one did)."""
+        client = self._client
+        if client is None:
+            return False
+        if received_sigterm:
+            client.request_stop()
+        return bool(client.stop_requested())
 
     def _install_epoch_loop_patches(self, trainer: Any) -> None:
         """async/ssp: no default-group collective per batch (ranks run different batch counts)."""
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if not lightning.__version__.startswith(_CHECKED_LIGHTNING):
-            log.warning(
-                "IvyPSStrategy: lightning %s was not checked for per-batch collectives; tested: %s",
-                lightning.__version__,
-                ", ".join(v + "x" for v in _CHECKED_LIGHTNING),
-            )
-        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            strategy = self
-
-            def broadcast_sigterm_via_ps() -> None:
-                client = strategy._client
-                if client is None:
-                    return
-                if getattr(trainer, "received_sigterm", False):
-                    client.request_stop()
-                if client.stop_requested():
-                    raise SIGTERMException()
-
-            epoch_loop._broadcast_sigterm_tensor = broadcast_sigterm_via_ps
-        original_advance = epoch_loop.advance
-
-        def advance(*args: Any, **kwargs: Any) -> Any:
-            self._in_train_batch = True
-            try:
-                return original_advance(*args, **kwargs)
-            finally:
-                self._in_train_batch = False
-
-        epoch_loop.advance = advance
+        patch_epoch_loop(trainer, self._set_in_train_batch, self._stop_requested)
 
     def _remove_patches(self, trainer: Any) -> None:
-        """Undo the per-fit instance patches (the Trainer may run validate/test/another fit afterwards)."""
-        vars(self.precision_plugin).pop("clip_gradients", None)
+        """Undo the per-fit patches (the Trainer may run validate/test/another fit afterwards)."""
+        restore_clipping(self.precision_plugin)
         if trainer is not None:
-            epoch_loop = trainer.fit_loop.epoch_loop
-            vars(epoch_loop).pop("advance", None)
-            vars(epoch_loop).pop("_broadcast_sigterm_tensor", None)
+            unpatch_epoch_loop(trainer)
             if self._metrics_logger is not None and self._metrics_logger in trainer.callbacks:
                 trainer.callbacks.remove(self._metrics_logger)
         self._metrics_logger = None

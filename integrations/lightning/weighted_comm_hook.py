@@ -95,33 +95,6 @@ share_weighted_hook.__annotations__ = {
 }
 
 
-def take_user_hook(strategy: Any, comm_hook: str) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
-    """Take a user's ``ddp_comm_hook`` from a DDP strategy, to run after the share weighting (torch allows one hook).
-
-    Returns ``((hook as wrapped, its state), (hook, wrapper) as given)``, or ``None`` where the strategy has none;
-    ``comm_hook="refuse"`` raises instead. Lightning must then not register it: the share hook calls it.
-    """
-    hook = getattr(strategy, "_ddp_comm_hook", None)
-    if hook is None:
-        return None
-    if comm_hook == "refuse":
-        raise ValueError(
-            "IvyLoadBalancer weights each rank's gradient by its share through a DDP communication hook and "
-            f"torch allows one hook per model, but the strategy already has ddp_comm_hook={hook!r}; remove it, or "
-            "use IvyLoadBalancer(comm_hook='compose') to run it after the share weighting"
-        )
-    wrapper = getattr(strategy, "_ddp_comm_wrapper", None)
-    taken = ((wrapper(hook) if wrapper is not None else hook, strategy._ddp_comm_state), (hook, wrapper))
-    strategy._ddp_comm_hook = None
-    strategy._ddp_comm_wrapper = None
-    return taken
-
-
-def give_back_user_hook(strategy: Any, taken: tuple[Any, Any]) -> None:
-    """Put a hook :func:`take_user_hook` took back on the strategy (a later fit may reuse it)."""
-    strategy._ddp_comm_hook, strategy._ddp_comm_wrapper = taken
-
-
 def register_share_hook(model: Any, world: int, user: tuple[Any, Any] | None, measure_noise: bool) -> ShareHookState:
     """Register :func:`share_weighted_hook` on a ``DistributedDataParallel`` model (``user``: a hook to compose)."""
     user_hook, user_state = user if user is not None else (None, None)

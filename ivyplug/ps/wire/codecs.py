@@ -179,6 +179,7 @@ class PulledCopy:
             raise ValueError(f"the codecs of a pulled copy encode one shard: {block.numel} != {bf16.numel} values")
         self.block, self.bf16 = block, bf16
         self.values: torch.Tensor | None = None  # c: the parameters both ends hold; None until a bf16 pull
+        self._diff: torch.Tensor | None = None  # the server's scratch for x − c, reused by every pull
 
     @property
     def held(self) -> bool:
@@ -192,7 +193,7 @@ class PulledCopy:
     def encode_whole(self, flat: torch.Tensor) -> torch.Tensor:
         """Server: ``flat`` in bf16 words (:class:`Bf16Codec`), keeping what the worker decodes as the copy."""
         words = self.bf16.encode(flat)
-        self.values = self.bf16.decode(words)[: self.block.quantized].clone()
+        self.values = self.bf16.decode(words)[: self.block.quantized]  # a fresh tensor: a view of it is the copy
         return words
 
     def encode(self, flat: torch.Tensor) -> torch.Tensor:
@@ -201,10 +202,13 @@ class PulledCopy:
         if self.values is None:
             raise ValueError("no pulled copy is held: the first pull travels whole (encode_whole)")
         n = self.block.quantized
-        diff = flat.clone()
-        diff[:n].sub_(self.values)
+        diff = self._diff
+        if diff is None or diff.numel() != flat.numel():
+            diff = self._diff = torch.empty_like(flat)
+        torch.sub(flat[:n], self.values, out=diff[:n])
+        diff[n:].copy_(flat[n:])
         words = self.block.encode(diff, feedback=False)
-        self.values.add_(self.block.decode(words)[:n])
+        self.values.add_(self.block.decode(words, diff)[:n])  # what the worker decodes; diff is spent
         return words
 
     def decode_whole(self, words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,6 @@ the epoch only where an answer took more than :data:`WAIT_SHARE` of that time an
 from __future__ import annotations
 
 import statistics
-import time
 
 #: answers timed at the start of each epoch before deciding
 PROBE_ASKS = 3
@@ -72,7 +71,3 @@ class AskAhead:
         if not self.deciding:
             wait, gap = statistics.median(self._waits), statistics.median(self._gaps)
             self.enabled = wait > max(self.wait_share * gap, self.min_wait)
-
-    @staticmethod
-    def now() -> float:
-        return time.monotonic()

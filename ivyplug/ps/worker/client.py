@@ -588,11 +588,11 @@ class PSClient:
         with self._servers_named():
             request, self._asked_ahead = self._asked_ahead, None
             if request is None or ask != BatchAsk.NOW:
-                sent = self._ask_ahead.now()
+                sent = time.monotonic()
                 request = endpoint.request(Kind.NEXT_BATCH, arg0=self.epoch, arg1=finished, arg2=ask)
                 index = request.header(self.cfg.timeout).arg0
                 if ask == BatchAsk.NOW:
-                    self._ask_ahead.answered(sent, self._ask_ahead.now())
+                    self._ask_ahead.answered(sent, time.monotonic())
             else:
                 index = request.header(self.cfg.timeout).arg0
             if index >= 0 and self._ask_ahead.enabled:

@@ -65,33 +65,18 @@ class RunSpec:
 
 
 #: The demo's runs, in the order they run and are shown. Same model, data, slow worker and batch per step.
-RUNS: dict[str, RunSpec] = {
-    "ddp": RunSpec(
-        name="ddp",
-        label="ddp",
-        strategy="ddp",
-        balancer=False,
-        note="the baseline: every step waits for the slow worker's gradient",
-    ),
-    "ivy_ps_sync_lb": RunSpec(
-        name="ivy_ps_sync_lb",
-        label="ivy_ps sync + IvyLoadBalancer",
-        strategy="ivy_ps_sync",
-        balancer=True,
-        note="synchronous like DDP; the balancer moves samples of the global batch to the fast worker each epoch",
-    ),
-    "ivy_ps_async": RunSpec(
-        name="ivy_ps_async",
-        label="ivy_ps async",
-        strategy="ivy_ps_async",
-        balancer=False,
-        note=(
-            "no IvyLoadBalancer: under async the PS hands each worker its next batch when it asks, so the fast "
-            "worker already trains more batches and there are no per-rank shares to rebalance (the balancer "
-            "would only monitor)"
-        ),
-    ),
-}
+# fmt: off
+RUNS: dict[str, RunSpec] = {spec.name: spec for spec in (
+    RunSpec(name="ddp", label="ddp", strategy="ddp", balancer=False,
+            note="the baseline: every step waits for the slow worker's gradient"),
+    RunSpec(name="ivy_ps_sync_lb", label="ivy_ps sync + IvyLoadBalancer", strategy="ivy_ps_sync", balancer=True,
+            note="synchronous like DDP; the balancer moves samples of the global batch to the fast worker each epoch"),
+    RunSpec(name="ivy_ps_async", label="ivy_ps async", strategy="ivy_ps_async", balancer=False,
+            note="no IvyLoadBalancer: under async the PS hands each worker its next batch when it asks, so the fast "
+                 "worker already trains more batches and there are no per-rank shares to rebalance (the balancer "
+                 "would only monitor)"),
+)}
+# fmt: on
 
 
 def digits(repeat: int) -> tuple[TensorDataset, TensorDataset]:

@@ -53,12 +53,9 @@ class OOMRecovery:
     def __init__(self, trainer: Any, module: Any, max_parts: int, loss_reduction: str, on_oom: Callable[[], None]):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        self.trainer = trainer
-        self.module = module
-        self.max_parts = max_parts
-        self.loss_reduction = loss_reduction
-        self.on_oom = on_oom
-        self.parts = 1
+        self.trainer, self.module, self.on_oom = trainer, module, on_oom
+        self.max_parts, self.loss_reduction = max_parts, loss_reduction
+        self.parts = 1  # the parts the current batch is split into (1: whole)
         self.split_steps = 0
         self._skip_zero_grad = False
         self._batch: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None

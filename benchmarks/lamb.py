@@ -352,6 +352,7 @@ def _sequence_steps(
     from ivyplug.optim import compiled_kernel
     from ivyplug.optim import functional as lamb_functional
     from ivyplug.optim.functional import _fused_adam_direction, trust_ratio
+    from ivyplug.optim.lamb_hyper import LambHyper
 
     scratch = torch.empty(max(w.numel() for w in weights))
     aside = torch.empty_like(scratch)
@@ -421,15 +422,14 @@ def _sequence_steps(
     )
     keep = torch.empty(threads * lamb_functional.COMPILED_KEEP_ELEMENTS)
     own_steps = [torch.zeros(()) for _ in steps]  # the kernel advances its counters: these, set to the caller's - 1
+    hyper = LambHyper(lr=lr, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=decay)
 
     def compiled() -> None:
         if not math.isfinite(lib.sumsq(grads, threads=threads, **sizes)):
             return
         torch._foreach_copy_(own_steps, list(steps))
         torch._foreach_sub_(own_steps, 1.0)
-        lib.lamb(weights, grads, exp_avgs, exp_avg_sqs, own_steps, lr=lr, beta1=0.9, beta2=0.999, eps=1e-6,
-                 weight_decay=decay, bias_correction=True, adapt=True, min_trust_ratio=0.0, max_trust_ratio=10.0,
-                 grad_scale=1.0, threads=threads, scratch=keep, **sizes)  # fmt: skip
+        lib.lamb(weights, grads, exp_avgs, exp_avg_sqs, own_steps, hyper, threads=threads, scratch=keep, **sizes)
 
     runs["compiled kernel"] = compiled
     return runs

@@ -34,6 +34,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from ivyplug.optim.lamb_hyper import LambHyper
+
 __all__ = [
     "KERNEL_CHOICES",
     "KERNEL_ENV",
@@ -106,17 +108,8 @@ class CompiledKernel:
         exp_avgs: Sequence[Tensor],
         exp_avg_sqs: Sequence[Tensor],
         steps: Sequence[Tensor],
+        h: LambHyper,
         *,
-        lr: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        weight_decay: float,
-        bias_correction: bool,
-        adapt: bool,
-        min_trust_ratio: float,
-        max_trust_ratio: float,
-        grad_scale: float,
         threads: int,
         split_min: int,
         block: int,
@@ -140,9 +133,9 @@ class CompiledKernel:
             ptrs(*[t.data_ptr() for t in exp_avg_sqs]),
             ptrs(*[t.data_ptr() for t in steps]),
             (ctypes.c_int64 * n)(*[t.numel() for t in params]),
-            lr, beta1, beta2, eps, weight_decay, int(bias_correction), int(adapt), min_trust_ratio, max_trust_ratio,
-            grad_scale, threads, split_min, parallel_min, block, None if scratch is None else scratch.data_ptr(),
-            0 if scratch is None else scratch.numel(), ratios,
+            h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, int(h.bias_correction), int(h.adapt), h.min_trust_ratio,
+            h.max_trust_ratio, h.grad_scale, threads, split_min, parallel_min, block,
+            None if scratch is None else scratch.data_ptr(), 0 if scratch is None else scratch.numel(), ratios,
         )  # fmt: skip
         if rc == -2:
             return None

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ivyplug.optim import compiled_kernel
+from ivyplug.optim.lamb_hyper import LambHyper
 
 __all__ = [
     "COMPILED_BLOCK_ELEMENTS",
@@ -50,6 +52,7 @@ __all__ = [
     "COMPILED_SPLIT_ELEMENTS",
     "CPU_CHUNK_ELEMENTS",
     "CPU_SMALL_ELEMENTS",
+    "LambHyper",
     "Workspace",
     "global_grad_norm",
     "lamb",
@@ -84,8 +87,6 @@ COMPILED_BLOCK_ELEMENTS = 1 << 17
 COMPILED_KEEP_ELEMENTS = 1 << 18
 #: Sums of squares above float32's range count as an overflow (not finite), as they do in the torch kernels.
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-#: Below this weight decay the kernels do not fold ``1/λ`` into the scratch buffer (``c/λ`` could overflow).
-_FOLD_MIN_DECAY = 1e-12
 
 
 def resolve_foreach(foreach: bool | None, tensors: Sequence[Tensor]) -> bool:
@@ -335,47 +336,57 @@ def _bias_factors(step: float, beta1: float, beta2: float, eps: float, bias_corr
     return bc2_sqrt / bc1, eps * bc2_sqrt
 
 
-def _single_tensor_lamb(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    steps: Sequence[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    max_trust_ratio: float,
-    min_trust_ratio: float,
-    exclude_from_layer_adaptation: bool,
-    grad_scale: float,
-    workspace: Workspace,
+class StepTensors(NamedTuple):
+    """The parallel lists one step updates: parameters, gradients, both moments, step counters."""
+
+    params: Sequence[Tensor]
+    grads: Sequence[Tensor]
+    exp_avgs: Sequence[Tensor]
+    exp_avg_sqs: Sequence[Tensor]
+    steps: Sequence[Tensor]
+
+    def take(self, indices: Sequence[int]) -> StepTensors:
+        """The tensors of the parameters at ``indices``, in that order."""
+        return StepTensors(*([t[i] for i in indices] for t in self))
+
+
+#: a kernel: the tensors of one step, its hyperparameters, the scratch buffers -> the trust ratios, in order
+_Kernel = Callable[[StepTensors, LambHyper, "Workspace"], "list[float | Tensor]"]
+
+
+def _in_parts(
+    t: StepTensors, h: LambHyper, workspace: Workspace, parts: Sequence[tuple[Sequence[int], _Kernel]]
 ) -> list[float | Tensor]:
+    """Run each kernel on the parameters at its indices (``parts`` partition them); the ratios in the caller's order."""
+    ratios: list[float | Tensor] = [1.0] * len(t.params)
+    for indices, kernel in parts:
+        if indices:
+            for i, r in zip(indices, kernel(t.take(indices), h, workspace), strict=True):
+                ratios[i] = r
+    return ratios
+
+
+def _single_tensor_lamb(t: StepTensors, h: LambHyper, workspace: Workspace) -> list[float | Tensor]:
     """Reference kernel: one tensor at a time, each tensor's passes run while it is hot in cache.
 
     Reads norms back to the host per tensor (free on CPU, a sync per tensor on accelerators, where the
-    multi-tensor kernel is the default).
+    multi-tensor kernel is the default). Its ops honour strides and any dtype.
     """
-    adapt = not exclude_from_layer_adaptation
-    fold = weight_decay >= _FOLD_MIN_DECAY
+    beta1, beta2, weight_decay, grad_scale = h.beta1, h.beta2, h.weight_decay, h.grad_scale
     ratios: list[float | Tensor] = []
-    for i, p in enumerate(params):
-        g, m, v, step_t = grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i]
+    for p, g, m, v, step_t in zip(*t, strict=True):
         step_t += 1
-        c, eps_s = _bias_factors(step_t.item(), beta1, beta2, eps, bias_correction)
+        c, eps_s = _bias_factors(step_t.item(), beta1, beta2, h.eps, h.bias_correction)
         if grad_scale == 1.0:
             m.lerp_(g, 1.0 - beta1)
         else:
             m.mul_(beta1).add_(g, alpha=(1.0 - beta1) * grad_scale)
         v.mul_(beta2).addcmul_(g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
-        param_norm = math.sqrt(_sumsq(p)) if adapt else 0.0
+        param_norm = math.sqrt(_sumsq(p)) if h.adapt else 0.0
         (u,) = workspace.views((p,))
         torch.sqrt(v, out=u)
         u.add_(eps_s)
-        if fold:  # u holds (m̂/(√v̂+ε) + λx) / λ
+        if h.fold:  # u holds (m̂/(√v̂+ε) + λx) / λ
             torch.addcdiv(p, m, u, value=c / weight_decay, out=u)
             scale = weight_decay
         else:  # u holds (m̂/(√v̂+ε) + λx) / c
@@ -384,9 +395,9 @@ def _single_tensor_lamb(
                 u.add_(p, alpha=weight_decay / c)
             scale = c
         ratio = 1.0
-        if adapt:
-            ratio = trust_ratio(param_norm, scale * math.sqrt(_sumsq(u)), min_trust_ratio, max_trust_ratio)
-        p.add_(u, alpha=-lr * ratio * scale)
+        if h.adapt:
+            ratio = trust_ratio(param_norm, scale * math.sqrt(_sumsq(u)), h.min_trust_ratio, h.max_trust_ratio)
+        p.add_(u, alpha=-h.lr * ratio * scale)
         ratios.append(ratio)
     return ratios
 
@@ -457,23 +468,8 @@ def _fused_adam_direction(
     With ``lr = −1/λ`` and ``u = x`` this leaves ``u = (m̂/(√v̂+ε) + λx)/λ``. ``grad_scale`` is not passed: that
     kernel unscales gradients in place, and LAMB must not modify ``.grad``.
     """
-    torch._fused_adam_(
-        u,
-        g,
-        m,
-        v,
-        [],
-        steps,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=0.0,
-        eps=eps,
-        amsgrad=False,
-        maximize=False,
-        grad_scale=None,
-        found_inf=None,
-    )
+    torch._fused_adam_(u, g, m, v, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps,
+                       amsgrad=False, maximize=False, grad_scale=None, found_inf=None)  # fmt: skip
 
 
 def _fused_adamw_update(
@@ -490,23 +486,8 @@ def _fused_adamw_update(
     weight_decay: float,
 ) -> None:
     """``x ← x(1 − ηλ) − η·m̂/(√v̂+ε)`` in one pass: LAMB's update when the trust ratio is 1 (torch's fused AdamW)."""
-    torch._fused_adamw_(
-        x,
-        g,
-        m,
-        v,
-        [],
-        steps,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        eps=eps,
-        amsgrad=False,
-        maximize=False,
-        grad_scale=None,
-        found_inf=None,
-    )
+    torch._fused_adamw_(x, g, m, v, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                        amsgrad=False, maximize=False, grad_scale=None, found_inf=None)  # fmt: skip
 
 
 def _same_dense_layout(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
@@ -522,25 +503,7 @@ def _same_dense_layout(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
     )
 
 
-def _cpu_fused_lamb(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    steps: Sequence[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    max_trust_ratio: float,
-    min_trust_ratio: float,
-    exclude_from_layer_adaptation: bool,
-    grad_scale: float,
-    workspace: Workspace,
-) -> list[float | Tensor]:
+def _cpu_fused_lamb(t: StepTensors, h: LambHyper, workspace: Workspace) -> list[float | Tensor]:
     """The CPU multi-tensor kernel: one large tensor at a time, small ones in blocks, few calls per tensor.
 
     * A tensor of at least :data:`CPU_SMALL_ELEMENTS` runs alone, in pieces of at most :data:`CPU_CHUNK_ELEMENTS`:
@@ -555,73 +518,37 @@ def _cpu_fused_lamb(
     * The fused kernels pair elements by memory offset: a parameter whose tensors do not all share one contiguous
       layout and dtype (e.g. channels-last weights) takes the per-tensor loop instead, whose ops honour strides.
     """
+    params, grads, exp_avgs, exp_avg_sqs, steps = t
     n = len(params)
-    ratios: list[float | Tensor] = [1.0] * n
     fast = [i for i in range(n) if _same_dense_layout(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])]
-    hyper = dict(beta1=beta1, beta2=beta2, eps=eps)
     if len(fast) < n:
         other = sorted(set(range(n)).difference(fast))
-        loop_ratios = _single_tensor_lamb(
-            [params[i] for i in other],
-            [grads[i] for i in other],
-            [exp_avgs[i] for i in other],
-            [exp_avg_sqs[i] for i in other],
-            [steps[i] for i in other],
-            lr=lr,
-            weight_decay=weight_decay,
-            bias_correction=bias_correction,
-            max_trust_ratio=max_trust_ratio,
-            min_trust_ratio=min_trust_ratio,
-            exclude_from_layer_adaptation=exclude_from_layer_adaptation,
-            grad_scale=grad_scale,
-            workspace=workspace,
-            **hyper,
-        )
-        for i, r in zip(other, loop_ratios, strict=True):
-            ratios[i] = r
-        if not fast:
-            return ratios
-        part = _cpu_fused_lamb(
-            [params[i] for i in fast],
-            [grads[i] for i in fast],
-            [exp_avgs[i] for i in fast],
-            [exp_avg_sqs[i] for i in fast],
-            [steps[i] for i in fast],
-            lr=lr,
-            weight_decay=weight_decay,
-            bias_correction=bias_correction,
-            max_trust_ratio=max_trust_ratio,
-            min_trust_ratio=min_trust_ratio,
-            exclude_from_layer_adaptation=exclude_from_layer_adaptation,
-            grad_scale=grad_scale,
-            workspace=workspace,
-            **hyper,
-        )
-        for i, r in zip(fast, part, strict=True):
-            ratios[i] = r
-        return ratios
-
+        return _in_parts(t, h, workspace, [(other, _single_tensor_lamb), (fast, _cpu_fused_lamb)])
+    ratios: list[float | Tensor] = [1.0] * n
+    lr, beta1, beta2, eps, weight_decay = h.lr, h.beta1, h.beta2, h.eps, h.weight_decay
+    min_ratio, max_ratio = h.min_trust_ratio, h.max_trust_ratio
     device = params[0].device
     steps = list(steps)
     # The list overload: the scalar one wraps the 1 into a fresh tensor once per counter.
     torch._foreach_add_(steps, [workspace.constant(1.0, device)] * n)
     # The fused kernels always bias-correct; an infinite step makes 1 - beta**step exactly 1.
-    kernel_steps = steps if bias_correction else [workspace.constant(math.inf, device)] * n
+    kernel_steps = steps if h.bias_correction else [workspace.constant(math.inf, device)] * n
 
-    if exclude_from_layer_adaptation:
-        for lo, hi in _chunks(params, CPU_CHUNK_ELEMENTS) if grad_scale != 1.0 else [(0, n)]:
-            g = _scaled_grads(params[lo:hi], grads[lo:hi], grad_scale, workspace)
+    if not h.adapt:
+        for lo, hi in _chunks(params, CPU_CHUNK_ELEMENTS) if h.grad_scale != 1.0 else [(0, n)]:
+            g = _scaled_grads(params[lo:hi], grads[lo:hi], h.grad_scale, workspace)
             _fused_adamw_update(list(params[lo:hi]), g, list(exp_avgs[lo:hi]), list(exp_avg_sqs[lo:hi]),
-                                kernel_steps[lo:hi], lr=lr, weight_decay=weight_decay, **hyper)  # fmt: skip
+                                kernel_steps[lo:hi], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                weight_decay=weight_decay)  # fmt: skip
         return ratios
 
-    fold = weight_decay >= _FOLD_MIN_DECAY
+    fold = h.fold
     scale = weight_decay if fold else 1.0  # the scratch buffer holds u / scale
     kernel_lr = -1.0 / weight_decay if fold else -1.0
     vectorised = params[0].dtype in _DOT_DTYPES
     # The common large tensor (one piece, fold, no clipping, float32/64) inline: a step costs few calls per tensor,
     # so Python per tensor shows.
-    inline = fold and grad_scale == 1.0 and vectorised
+    inline = fold and h.grad_scale == 1.0 and vectorised
     dot, fused_adam = torch.dot, torch._fused_adam_
     by_size: dict[int, list[int]] = {}
     for i, x in enumerate(params):
@@ -636,16 +563,14 @@ def _cpu_fused_lamb(
                        beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False,
                        grad_scale=None, found_inf=None)  # fmt: skip
             r = trust_ratio(
-                math.sqrt(param_sq), scale * math.sqrt(dot(buf_flat, buf_flat).item()), min_trust_ratio, max_trust_ratio
+                math.sqrt(param_sq), scale * math.sqrt(dot(buf_flat, buf_flat).item()), min_ratio, max_ratio
             )
             x.add_(buf, alpha=-lr * r * scale)
             ratios[i] = r
         else:
-            _big_tensor_step(
-                i, params, grads, exp_avgs, exp_avg_sqs, kernel_steps, ratios, lr=lr, weight_decay=weight_decay,
-                fold=fold, scale=scale, kernel_lr=kernel_lr, grad_scale=grad_scale, min_trust_ratio=min_trust_ratio,
-                max_trust_ratio=max_trust_ratio, workspace=workspace, **hyper,
-            )  # fmt: skip
+            ratios[i] = _big_tensor_step(
+                (x, grads[i], exp_avgs[i], exp_avg_sqs[i]), kernel_steps[i], h, workspace, kernel_lr
+            )
     for numel, same in by_size.items():
         per = max(1, CPU_CHUNK_ELEMENTS // max(1, numel))
         for lo in range(0, len(same), per):
@@ -654,7 +579,7 @@ def _cpu_fused_lamb(
             p = [params[i] for i in block]
             u, _, span = workspace.span(p)
             rows = span.view(count, numel)
-            g = _scaled_grads(p, [grads[i] for i in block], grad_scale, workspace)
+            g = _scaled_grads(p, [grads[i] for i in block], h.grad_scale, workspace)
             if fold:
                 torch._foreach_copy_(u, p)
                 param_norms = _row_norms(rows)  # the rows hold x here
@@ -662,13 +587,14 @@ def _cpu_fused_lamb(
                 span.zero_()
                 param_norms = [math.sqrt(_sumsq(x)) for x in p]
             _fused_adam_direction(u, g, [exp_avgs[i] for i in block], [exp_avg_sqs[i] for i in block],
-                                  [kernel_steps[i] for i in block], lr=kernel_lr, **hyper)  # fmt: skip
+                                  [kernel_steps[i] for i in block], lr=kernel_lr, beta1=beta1, beta2=beta2,
+                                  eps=eps)  # fmt: skip
             if not fold and weight_decay != 0.0:
                 torch._foreach_add_(u, p, alpha=weight_decay)
             update_norms = _row_norms(rows)
             coefs = []
             for k, i in enumerate(block):
-                r = trust_ratio(param_norms[k], scale * update_norms[k], min_trust_ratio, max_trust_ratio)
+                r = trust_ratio(param_norms[k], scale * update_norms[k], min_ratio, max_ratio)
                 ratios[i] = r
                 coefs.append(-lr * r * scale)
             if vectorised:
@@ -688,60 +614,48 @@ def _row_norms(rows: Tensor) -> list[float]:
 
 
 def _big_tensor_step(
-    i: int,
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    kernel_steps: Sequence[Tensor],
-    ratios: list[float | Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    fold: bool,
-    scale: float,
-    kernel_lr: float,
-    grad_scale: float,
-    min_trust_ratio: float,
-    max_trust_ratio: float,
+    one: tuple[Tensor, Tensor, Tensor, Tensor],
+    kernel_step: Tensor,
+    h: LambHyper,
     workspace: Workspace,
-) -> None:
-    """One large tensor of :func:`_cpu_fused_lamb`, piece by piece (see there)."""
-    x = params[i]
+    kernel_lr: float,
+) -> float:
+    """One large tensor of :func:`_cpu_fused_lamb`, piece by piece (see there): ``one`` is its parameter, gradient
+    and moments, ``kernel_step`` its step counter already incremented (or the infinite step). Returns its ratio."""
+    x, grad, exp_avg, exp_avg_sq = one
+    fold, weight_decay = h.fold, h.weight_decay
+    scale = weight_decay if fold else 1.0
     numel = x.numel()
     (u,), (u_flat,), _ = workspace.span((x,))
     pieces = -(-numel // CPU_CHUNK_ELEMENTS)
     if pieces == 1:
-        parts = [(x, grads[i], exp_avgs[i], exp_avg_sqs[i], u, u_flat)]
+        parts = [(x, grad, exp_avg, exp_avg_sq, u, u_flat)]
     else:
         edges = [numel * j // pieces for j in range(pieces + 1)]
-        xf, gf, mf, vf = (t.view(-1) for t in (x, grads[i], exp_avgs[i], exp_avg_sqs[i]))
+        xf, gf, mf, vf = (t.view(-1) for t in one)
         parts = [(xf[a:b], gf[a:b], mf[a:b], vf[a:b], u_flat[a:b], u_flat[a:b]) for a, b in itertools.pairwise(edges)]
     param_sq = update_sq = 0.0
-    step = [kernel_steps[i]]
     for xp, gp, mp, vp, up, up_flat in parts:
         gs = gp
-        if grad_scale != 1.0:
+        if h.grad_scale != 1.0:
             (gs,) = workspace.views((gp,), slot=1)
-            torch.mul(gp, grad_scale, out=gs)  # one pass; the fused kernels' own scaling would divide .grad in place
+            torch.mul(gp, h.grad_scale, out=gs)  # one pass; the fused kernels' own scaling would divide .grad in place
         if fold:
             up.copy_(xp)
             param_sq += _sumsq(up_flat)  # up holds x here
         else:
             up.zero_()
             param_sq += _sumsq(xp)
-        _fused_adam_direction([up], [gs], [mp], [vp], step, lr=kernel_lr, beta1=beta1, beta2=beta2, eps=eps)
+        _fused_adam_direction([up], [gs], [mp], [vp], [kernel_step], lr=kernel_lr, beta1=h.beta1, beta2=h.beta2,
+                              eps=h.eps)  # fmt: skip
         if not fold and weight_decay != 0.0:
             up.add_(xp, alpha=weight_decay)
         update_sq += _sumsq(up_flat)
-    r = trust_ratio(math.sqrt(param_sq), scale * math.sqrt(update_sq), min_trust_ratio, max_trust_ratio)
-    ratios[i] = r
-    alpha = -lr * r * scale
+    r = trust_ratio(math.sqrt(param_sq), scale * math.sqrt(update_sq), h.min_trust_ratio, h.max_trust_ratio)
+    alpha = -h.lr * r * scale
     for xp, _, _, _, up, _ in reversed(parts):
         xp.add_(up, alpha=alpha)
+    return r
 
 
 def _scaled_grads(
@@ -757,25 +671,7 @@ def _scaled_grads(
     return scaled
 
 
-def _multi_tensor_lamb(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    steps: Sequence[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    max_trust_ratio: float,
-    min_trust_ratio: float,
-    exclude_from_layer_adaptation: bool,
-    grad_scale: float,
-    workspace: Workspace,
-) -> list[float | Tensor]:
+def _multi_tensor_lamb(t: StepTensors, h: LambHyper, workspace: Workspace) -> list[float | Tensor]:
     """Multi-tensor kernel for one device and dtype.
 
     On CPU, when :func:`fused_moments_supported`, :func:`_cpu_fused_lamb` runs (torch's fused Adam kernels, per
@@ -783,31 +679,19 @@ def _multi_tensor_lamb(
     chunks, and keeps the ratios on the device (no host sync). Returns the ratios as floats (CPU) or as 0-dim
     device tensors.
     """
+    params, grads, exp_avgs, exp_avg_sqs, steps = t
     if not params:
         return []
-    hyper = dict(
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        max_trust_ratio=max_trust_ratio,
-        min_trust_ratio=min_trust_ratio,
-        exclude_from_layer_adaptation=exclude_from_layer_adaptation,
-        grad_scale=grad_scale,
-        workspace=workspace,
-    )
     on_cpu = params[0].device.type == "cpu"
     if on_cpu and fused_moments_supported(params[0].device, params[0].dtype):
-        return _cpu_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
-    adapt = not exclude_from_layer_adaptation
-    fold = weight_decay >= _FOLD_MIN_DECAY
+        return _cpu_fused_lamb(t, h, workspace)
+    lr, beta1, beta2, weight_decay, grad_scale = h.lr, h.beta1, h.beta2, h.weight_decay, h.grad_scale
+    min_ratio, max_ratio = h.min_trust_ratio, h.max_trust_ratio
     limit = CPU_CHUNK_ELEMENTS if on_cpu else DEVICE_CHUNK_ELEMENTS
 
     steps = list(steps)
     torch._foreach_add_(steps, 1.0)
-    factors = [_bias_factors(s.item(), beta1, beta2, eps, bias_correction) for s in steps]
+    factors = [_bias_factors(s.item(), beta1, beta2, h.eps, h.bias_correction) for s in steps]
 
     ratios_out: list[float | Tensor] = []
     for lo, hi in _chunks(params, limit):
@@ -827,7 +711,7 @@ def _multi_tensor_lamb(
         torch._foreach_copy_(d, v)
         torch._foreach_sqrt_(d)
         torch._foreach_add_(d, [f[1] for f in factors[lo:hi]])
-        if fold:  # u = (m̂/(√v̂+ε) + λx) / λ
+        if h.fold:  # u = (m̂/(√v̂+ε) + λx) / λ
             torch._foreach_copy_(u, p)
             torch._foreach_addcdiv_(u, m, d, [ci / weight_decay for ci in cs])
             scales = [weight_decay] * n
@@ -838,7 +722,7 @@ def _multi_tensor_lamb(
                 for ui, pi, ci in zip(u, p, cs, strict=True):
                     ui.add_(pi, alpha=weight_decay / ci)
             scales = cs
-        if not adapt:
+        if not h.adapt:
             if on_cpu:
                 for pi, ui, si in zip(p, u, scales, strict=True):
                     pi.add_(ui, alpha=-lr * si)
@@ -849,7 +733,7 @@ def _multi_tensor_lamb(
             continue
         if on_cpu:
             ratios = [
-                trust_ratio(math.sqrt(_sumsq(pi)), si * math.sqrt(_sumsq(ui)), min_trust_ratio, max_trust_ratio)
+                trust_ratio(math.sqrt(_sumsq(pi)), si * math.sqrt(_sumsq(ui)), min_ratio, max_ratio)
                 for pi, ui, si in zip(p, u, scales, strict=True)
             ]
             for pi, ui, si, ri in zip(p, u, scales, ratios, strict=True):
@@ -858,7 +742,7 @@ def _multi_tensor_lamb(
             continue
         norms = torch.stack(torch._foreach_norm(p + u)).float()
         scale_t = torch.tensor(scales, device=norms.device, dtype=norms.dtype)
-        ratio_t = _trust_ratio_tensor(norms[:n], norms[n:] * scale_t, min_trust_ratio, max_trust_ratio)
+        ratio_t = _trust_ratio_tensor(norms[:n], norms[n:] * scale_t, min_ratio, max_ratio)
         coef = (ratio_t * scale_t * -lr).to(p[0].dtype)
         torch._foreach_mul_(u, list(coef.unbind()))
         torch._foreach_add_(p, u)
@@ -909,7 +793,7 @@ def lamb(
     for g in grads:
         if g.is_sparse:
             raise RuntimeError("LAMB does not support sparse gradients; use dense gradients (e.g. sparse=False)")
-    hyper = dict(
+    h = LambHyper(
         lr=lr,
         beta1=beta1,
         beta2=beta2,
@@ -920,71 +804,33 @@ def lamb(
         min_trust_ratio=min_trust_ratio,
         exclude_from_layer_adaptation=exclude_from_layer_adaptation,
         grad_scale=grad_scale,
-        workspace=workspace if workspace is not None else Workspace(),
     )
+    t = StepTensors(params, grads, exp_avgs, exp_avg_sqs, steps)
+    workspace = workspace if workspace is not None else Workspace()
     choice = compiled_kernel.kernel_choice(kernel)
     if not resolve_foreach(foreach, params):
-        return _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
+        return _single_tensor_lamb(t, h, workspace)
     if choice != "torch":
         fast = [i for i in range(n) if _compiled_eligible(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i])]
         lib = compiled_kernel.load(required=choice == "compiled") if fast else None
         if lib is not None:
-            return _compiled_lamb(lib, fast, params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
-    return _torch_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
+            return _compiled_lamb(lib, fast, t, h, workspace)
+    return _torch_lamb(t, h, workspace)
 
 
 def _compiled_lamb(
-    lib: compiled_kernel.CompiledKernel,
-    fast: list[int],
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    steps: Sequence[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    max_trust_ratio: float,
-    min_trust_ratio: float,
-    exclude_from_layer_adaptation: bool,
-    grad_scale: float,
-    workspace: Workspace,
+    lib: compiled_kernel.CompiledKernel, fast: list[int], t: StepTensors, h: LambHyper, workspace: Workspace
 ) -> list[float | Tensor]:
     """The compiled kernel for the tensors at indices ``fast``; the torch kernels for the rest (and for all of
     them when two buffers overlap, which the kernel's threads could not update safely)."""
-    n = len(params)
-    hyper = dict(
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        max_trust_ratio=max_trust_ratio,
-        min_trust_ratio=min_trust_ratio,
-        exclude_from_layer_adaptation=exclude_from_layer_adaptation,
-        grad_scale=grad_scale,
-    )
+    n = len(t.params)
     every = len(fast) == n
     threads = _kernel_threads()
-    scratch = workspace.flat(threads * COMPILED_KEEP_ELEMENTS, 3, params[fast[0]].device, torch.float32)
-    lists = [list(t) if every else [t[i] for i in fast] for t in (params, grads, exp_avgs, exp_avg_sqs, steps)]
+    scratch = workspace.flat(threads * COMPILED_KEEP_ELEMENTS, 3, t.params[fast[0]].device, torch.float32)
+    mine = StepTensors(*(list(x) for x in t)) if every else t.take(fast)
     got = lib.lamb(
-        *lists,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        adapt=not exclude_from_layer_adaptation,
-        min_trust_ratio=min_trust_ratio,
-        max_trust_ratio=max_trust_ratio,
-        grad_scale=grad_scale,
+        *mine,
+        h,
         threads=threads,
         split_min=COMPILED_SPLIT_ELEMENTS,
         parallel_min=COMPILED_PARALLEL_ELEMENTS,
@@ -992,59 +838,26 @@ def _compiled_lamb(
         scratch=scratch,
     )
     if got is None:
-        return _torch_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, workspace=workspace, **hyper)  # type: ignore[arg-type]
+        return _torch_lamb(t, h, workspace)
     # Written through pointers: tell autograd, as torch's in-place ops would, so stale saved tensors are caught.
-    torch.autograd.graph.increment_version([*lists[0], *lists[2], *lists[3], *lists[4]])
+    torch.autograd.graph.increment_version([*mine.params, *mine.exp_avgs, *mine.exp_avg_sqs, *mine.steps])
     if every:
         return list(got)
-    ratios: list[float | Tensor] = [1.0] * n
-    for i, r in zip(fast, got, strict=True):
-        ratios[i] = r
     chosen = set(fast)
     other = [i for i in range(n) if i not in chosen]
-    part = _torch_lamb(
-        [params[i] for i in other],
-        [grads[i] for i in other],
-        [exp_avgs[i] for i in other],
-        [exp_avg_sqs[i] for i in other],
-        [steps[i] for i in other],
-        workspace=workspace,
-        **hyper,  # type: ignore[arg-type]
-    )
-    for i, ratio in zip(other, part, strict=True):
-        ratios[i] = ratio
-    return ratios
+    return _in_parts(t, h, workspace, [(fast, lambda *_: list(got)), (other, _torch_lamb)])
 
 
-def _torch_lamb(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    steps: Sequence[Tensor],
-    **hyper: object,
-) -> list[float | Tensor]:
+def _torch_lamb(t: StepTensors, h: LambHyper, workspace: Workspace) -> list[float | Tensor]:
     """The torch multi-tensor kernels, one call per (device, dtype) group, ratios in the caller's order."""
-    n = len(params)
+    params = t.params
     # foreach lists must share device and dtype: run the kernel per (device, dtype) group, keep the caller's order.
     dtype = params[0].dtype if params else None
     if params and params[0].is_cpu and all(p.dtype == dtype and p.is_cpu for p in params):  # the common case, cheaply
-        return _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
+        return _multi_tensor_lamb(t, h, workspace)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
     if len(groups) <= 1:
-        return _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)  # type: ignore[arg-type]
-    out: list[float | Tensor] = [1.0] * n
-    for idx in groups.values():
-        part = _multi_tensor_lamb(
-            [params[i] for i in idx],
-            [grads[i] for i in idx],
-            [exp_avgs[i] for i in idx],
-            [exp_avg_sqs[i] for i in idx],
-            [steps[i] for i in idx],
-            **hyper,  # type: ignore[arg-type]
-        )
-        for i, r in zip(idx, part, strict=True):
-            out[i] = r
-    return out
+        return _multi_tensor_lamb(t, h, workspace)
+    return _in_parts(t, h, workspace, [(idx, _multi_tensor_lamb) for idx in groups.values()])

@@ -16,6 +16,7 @@ from torch import nn
 
 from ivyplug.optim import LAMB, compiled_kernel, lamb
 from ivyplug.optim import functional as F
+from ivyplug.optim.lamb_hyper import LambHyper
 from tests.optim.reference import RefGroup, RefLamb
 
 NO_COMPILER = compiled_kernel._compiler() is None
@@ -267,8 +268,8 @@ def test_overlapping_buffers_take_the_torch_kernel() -> None:
     assert lib is not None
     x, g, m = torch.randn(10), torch.randn(10), torch.zeros(10)
     step = torch.zeros(())
-    got = lib.lamb([x], [g], [m], [m], [step], bias_correction=True, adapt=True, threads=2, split_min=1, block=3,
-                   grad_scale=1.0, **HYPER)  # type: ignore[arg-type]  # fmt: skip
+    h = LambHyper(**HYPER)  # type: ignore[arg-type]
+    got = lib.lamb([x], [g], [m], [m], [step], h, threads=2, split_min=1, block=3)
     assert got is None and step.item() == 0.0 and not m.any()
     runs = {}
     for kernel in ("compiled", "torch"):

@@ -1,9 +1,10 @@
 """The server loop of a rank that serves a shard (or rank 0's batch queue): decodes requests into calls.
 
 It reads a fixed-size header from any source, then the payloads from that sender (see wire/messages.py), and
-turns each request into the same call an in-process endpoint makes on the shard (shard.py) or the batch
-queue (batch_queue.py). A reply that must wait is a pending future on the shard; its callback sends the reply
-from whichever thread resolves it, after the shard released its lock. The loop ends after a BYE from every
+hands each request to the handler of its kind (a table, :attr:`ServerLoop._handlers`), which makes the same call
+an in-process endpoint makes on the shard (shard.py) or on the coordinator (coordinator.py: the batch queue, the
+stop flag, the rendezvous). A reply that must wait is a pending future on the shard; its callback sends the
+reply from whichever thread resolves it, after the shard released its lock. The loop ends after a BYE from every
 peer rank, so closing is a natural rendezvous: no rank tears down while another may still ask it.
 """
 
@@ -13,13 +14,14 @@ import logging
 import sys
 import threading
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Protocol
 
 import torch
 
 from ivyplug.ps.server.batch_queue import BatchQueue
+from ivyplug.ps.server.coordinator import Coordinator, Rendezvous
 from ivyplug.ps.server.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.wire import shared_region
 from ivyplug.ps.wire.codecs import PULL_BITS, PulledCopy
@@ -67,12 +69,8 @@ MAX_PATH = 4096
 log = logging.getLogger(__name__)
 
 
-class Rendezvous(Protocol):
-    """Collectives among the live workers of an ``ivyplug serve`` job (service.py)."""
-
-    def gather(self, slot: int, seq: int, blob: bytes) -> Future[int]: ...
-
-    def result(self, seq: int) -> bytes: ...
+#: a request handler: its header, fp32 payload (or None) and fp64 hyperparameters (or None)
+_Handler = Callable[[Header, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
 class Traffic(Protocol):
@@ -88,30 +86,28 @@ class ServerLoop(threading.Thread):
         self,
         channel: Channel,
         shards: Shard | Mapping[int, Shard] | None,
-        queue: BatchQueue | None,
+        coordinator: Coordinator,
         expect_bye: set[int],
-        stop: threading.Event,
         workers: set[int] | None = None,
         member: int | None = None,
         traffic: Traffic | None = None,
-        rendezvous: Rendezvous | None = None,
     ) -> None:
-        """``expect_bye``: ranks whose BYE ends the loop; ``workers``: the ranks whose BYE also idles them on the
-        shards (co-located: every other worker). ``member``: the loop
-        serves one worker over a two-rank group (``ivyplug serve``): every request is that worker slot's,
-        received from rank 1, and a request that breaks the protocol ends this member only, never a shard."""
+        """``coordinator``: the batch queue (if this rank holds it), the stop flag and the rendezvous (an
+        ``ivyplug serve``'s) that the loop serves next to its shards. ``expect_bye``: ranks whose BYE ends the loop;
+        ``workers``: the ranks whose BYE also idles them on the shards (co-located: every other worker).
+        ``member``: the loop serves one worker over a two-rank group (``ivyplug serve``): every request is that
+        worker slot's, received from rank 1, and a request that breaks the protocol ends this member only, never
+        a shard."""
         super().__init__(name=f"ivyplug-ps-server-{channel.rank}", daemon=True)
         self.channel = channel
         if isinstance(shards, Shard):
             shards = {shards.shard: shards}
         self.shards: dict[int, Shard] = dict(shards or {})
-        self.queue = queue
+        self.coordinator = coordinator
         self.expect_bye = set(expect_bye)
         self.workers = set(workers or ())
-        self.stop = stop
         self.member = member
         self.traffic = traffic
-        self.rendezvous = rendezvous
         self.bye_from: set[int] = set()
         self.error: BaseException | None = None
         #: set (to why) when an ``ivyplug serve`` dropped this member for its silence: whatever it sends later
@@ -130,6 +126,24 @@ class ServerLoop(threading.Thread):
         self._shared: dict[tuple[int, int], torch.Tensor] = {}
         # (sender, shard) -> the copy of the shard that sender holds, for pulls sent as differences from it
         self._pulled: dict[tuple[int, int], PulledCopy] = {}
+        #: what a request of each kind calls (with its header, fp32 payload and fp64 hyperparameters)
+        self._handlers: dict[int, _Handler] = {
+            Kind.PUSH_DATA: self._on_push_data,
+            Kind.PUSH_PULL: self._on_push_pull,
+            Kind.PULL: self._on_pull,
+            Kind.SHM_ATTACH: self._on_shm_attach,
+            Kind.IDLE: self._on_idle,
+            Kind.NORM: self._on_norm,
+            Kind.STATE_SIZE: self._on_state_size,
+            Kind.STATE_FETCH: self._on_state_fetch,
+            Kind.LOAD: self._on_load,
+            Kind.NEXT_BATCH: self._on_next_batch,
+            Kind.EPOCH: self._on_epoch,
+            Kind.GATHER: self._on_gather,
+            Kind.GATHER_FETCH: self._on_gather_fetch,
+            Kind.STOP: self._on_stop,
+            Kind.BYE: self._on_bye,
+        }
 
     @property
     def shard(self) -> Shard | None:
@@ -141,7 +155,7 @@ class ServerLoop(threading.Thread):
         return len(self.bye_from)
 
     def _flags(self) -> int:
-        return Flag.STOP if self.stop.is_set() else 0
+        return Flag.STOP if self.coordinator.stop.is_set() else 0
 
     def _reply(
         self,
@@ -437,98 +451,139 @@ class ServerLoop(threading.Thread):
         return shard
 
     def _handle(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
-        to = h.sender
-        w = self.member if self.member is not None else h.sender
+        """Call the handler of the request's kind (:attr:`_handlers`): a shard's, the coordinator's, the loop's."""
+        handler = self._handlers.get(h.kind)
+        if handler is None:
+            raise RuntimeError(f"unknown message kind {h.kind} from {self._who(h)}")
         if h.kind in _NEEDS_SHARD:
-            shard = self._shard_for(h)
+            self._shard_for(h)  # refused before anything else if this rank does not hold it
         if h.kind in (*_PUSHES, Kind.PULL) and h.flags & Flag.SHM:
             data = self._shared_data(h)  # the sender's region (refused now if it has none, not at the reply)
-        if h.kind == Kind.PUSH_DATA:  # applied with its PUSH_PULL (a later one replaces it)
-            self._held[(h.sender, h.shard)] = h.flags
-        elif h.kind in (Kind.PUSH_PULL, Kind.PULL):
-            copy = self._pulled.get((h.sender, h.shard))
-            if h.flags & Flag.DIFF and (copy is None or not copy.held):  # refused before its push applies
-                self._reply_error(
-                    to,
-                    h,
-                    f"shard {h.shard}: {self._who(h)} asked for its pull as a difference from the copy it holds, "
-                    "and this server keeps no copy of it (was the server restarted under a running worker?)",
+        handler(h, data, hyper)
+
+    def _worker(self, h: Header) -> int:
+        """The worker a request is from: the member's slot (``ivyplug serve``), else the sending rank."""
+        return self.member if self.member is not None else h.sender
+
+    # ---------------------------------------------------------------- the shards'
+    def _on_push_data(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        """Data sent ahead of its PUSH_PULL (from backward's hooks): applied with it; a later one replaces it."""
+        self._held[(h.sender, h.shard)] = h.flags
+
+    def _on_push_pull(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        if self._refused_difference(h):
+            return
+        assert hyper is not None
+        shard = self._shard_for(h)
+        held = self._held.pop((h.sender, h.shard), None)
+        flags = h.flags
+        if data is None:  # the data came ahead, in a PUSH_DATA
+            if held is None:
+                raise PSProtocolError(
+                    f"shard {h.shard}: a push without data from {self._who(h)}, and no data sent before it"
                 )
-                return
-            if h.kind == Kind.PUSH_PULL:
-                assert hyper is not None
-                held = self._held.pop((h.sender, h.shard), None)
-                flags = h.flags
-                if data is None:  # the data came ahead, in a PUSH_DATA
-                    if held is None:
-                        raise PSProtocolError(
-                            f"shard {h.shard}: a push without data from {self._who(h)}, and no data sent before it"
-                        )
-                    data, flags = self._push_bufs[(h.sender, h.shard)], held
-                bits = _block_bits(flags)
-                if bits:
-                    data = shard.block[bits].decode(data)
-                elif flags & Flag.BF16:
-                    data = shard.bf16.decode(data)
-                fut = shard.push_pull(w, data, hyper)
-            else:
-                fut = shard.pull(w)
-            fut.add_done_callback(lambda f: self._answer(to, h, f))
-        elif h.kind == Kind.SHM_ATTACH:
-            self._reply(to, h, None, arg0=int(self._attach(h, data)))
-        elif h.kind == Kind.IDLE:
-            if h.shard in self.shards:
-                self.shards[h.shard].idle(w)
-        elif h.kind == Kind.NORM:
-            assert hyper is not None
-            shard.norm(h.arg0, h.arg1, float(hyper[0]))
-        elif h.kind == Kind.NEXT_BATCH:
-            if self.queue is None:
-                raise RuntimeError(f"rank {self.channel.rank} holds no batch queue (ask rank 0)")
-            if h.arg2 == BatchAsk.END:  # the worker's epoch is over: it trained every batch it got
-                self.queue.finish(w, h.arg0)
-                self._reply(to, h, None, arg0=-1)
-            elif h.arg2 == BatchAsk.STOP:  # the worker reached the fit's step limit: no more batches this epoch
-                self.queue.stop(w, h.arg0)
-                self._reply(to, h, None, arg0=-1)
-            else:  # with WAIT, answered when the queue resolves it (another worker's batches may come back)
-                taken = self.queue.take(w, h.arg0, max(0, h.arg1), wait=h.arg2 == BatchAsk.WAIT)
-                taken.add_done_callback(lambda f: self._answer_number(to, h, f))
-        elif h.kind == Kind.EPOCH:
-            if self.queue is None:
-                raise RuntimeError(f"rank {self.channel.rank} holds no batch queue")
-            self.queue.reset(h.arg0, h.arg1, h.arg2)
-            self._reply(to, h, None)
-        elif h.kind in (Kind.GATHER, Kind.GATHER_FETCH):
-            if self.rendezvous is None or self.member is None:
-                raise RuntimeError(f"rank {self.channel.rank} runs no collectives (an ivyplug serve does)")
-            if h.kind == Kind.GATHER:
-                assert data is not None or h.arg0 == 0
-                blob = words_to_bytes(data, h.arg0) if data is not None else b""
-                done = self.rendezvous.gather(self.member, h.arg1, blob)
-                done.add_done_callback(lambda f: self._answer_number(to, h, f))
-            else:
-                result = self.rendezvous.result(h.arg1)
-                self._reply(to, h, bytes_to_words(result), arg0=len(result))
-        elif h.kind == Kind.STOP:
-            self.stop.set()
-        elif h.kind == Kind.BYE:
-            self.bye_from.add(to)
-            self._pulled = {key: c for key, c in self._pulled.items() if key[0] != to}
-            if self.member is None and w in self.workers:
-                for s in self.shards.values():
-                    s.idle(w)
-        elif h.kind == Kind.STATE_SIZE:
-            self._state_blob = shard.state()
-            self._reply(to, h, None, arg0=len(self._state_blob))
-        elif h.kind == Kind.STATE_FETCH:
-            self._reply(to, h, bytes_to_words(self._state_blob), arg0=len(self._state_blob))
-        elif h.kind == Kind.LOAD:
-            assert data is not None
-            shard.load(load_state_bytes(words_to_bytes(data, h.arg0)))
-            self._reply(to, h, None)
-        else:
-            raise RuntimeError(f"unknown message kind {h.kind} from {self._who(h)}")
+            data, flags = self._push_bufs[(h.sender, h.shard)], held
+        bits = _block_bits(flags)
+        if bits:
+            data = shard.block[bits].decode(data)
+        elif flags & Flag.BF16:
+            data = shard.bf16.decode(data)
+        to = h.sender
+        shard.push_pull(self._worker(h), data, hyper).add_done_callback(lambda f: self._answer(to, h, f))
+
+    def _on_pull(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        if self._refused_difference(h):
+            return
+        to = h.sender
+        self._shard_for(h).pull(self._worker(h)).add_done_callback(lambda f: self._answer(to, h, f))
+
+    def _refused_difference(self, h: Header) -> bool:
+        """A pull asked as a difference from a copy this server does not hold is refused, before its push applies."""
+        copy = self._pulled.get((h.sender, h.shard))
+        if not h.flags & Flag.DIFF or (copy is not None and copy.held):
+            return False
+        self._reply_error(
+            h.sender,
+            h,
+            f"shard {h.shard}: {self._who(h)} asked for its pull as a difference from the copy it holds, and this "
+            "server keeps no copy of it (was the server restarted under a running worker?)",
+        )
+        return True
+
+    def _on_shm_attach(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        self._reply(h.sender, h, None, arg0=int(self._attach(h, data)))
+
+    def _on_idle(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        if h.shard in self.shards:
+            self.shards[h.shard].idle(self._worker(h))
+
+    def _on_norm(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        assert hyper is not None
+        self._shard_for(h).norm(h.arg0, h.arg1, float(hyper[0]))
+
+    def _on_state_size(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        self._state_blob = self._shard_for(h).state()
+        self._reply(h.sender, h, None, arg0=len(self._state_blob))
+
+    def _on_state_fetch(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        self._reply(h.sender, h, bytes_to_words(self._state_blob), arg0=len(self._state_blob))
+
+    def _on_load(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        assert data is not None
+        self._shard_for(h).load(load_state_bytes(words_to_bytes(data, h.arg0)))
+        self._reply(h.sender, h, None)
+
+    # ---------------------------------------------------------------- the coordinator's
+    def _queue(self) -> BatchQueue:
+        queue = self.coordinator.queue
+        if queue is None:
+            raise RuntimeError(f"rank {self.channel.rank} holds no batch queue (ask rank 0)")
+        return queue
+
+    def _on_next_batch(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        queue, to, w = self._queue(), h.sender, self._worker(h)
+        if h.arg2 == BatchAsk.END:  # the worker's epoch is over: it trained every batch it got
+            queue.finish(w, h.arg0)
+            self._reply(to, h, None, arg0=-1)
+        elif h.arg2 == BatchAsk.STOP:  # the worker reached the fit's step limit: no more batches this epoch
+            queue.stop(w, h.arg0)
+            self._reply(to, h, None, arg0=-1)
+        else:  # with WAIT, answered when the queue resolves it (another worker's batches may come back)
+            taken = queue.take(w, h.arg0, max(0, h.arg1), wait=h.arg2 == BatchAsk.WAIT)
+            taken.add_done_callback(lambda f: self._answer_number(to, h, f))
+
+    def _on_epoch(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        self._queue().reset(h.arg0, h.arg1, h.arg2)
+        self._reply(h.sender, h, None)
+
+    def _rendezvous(self) -> tuple[Rendezvous, int]:
+        rendezvous = self.coordinator.rendezvous
+        if rendezvous is None or self.member is None:
+            raise RuntimeError(f"rank {self.channel.rank} runs no collectives (an ivyplug serve does)")
+        return rendezvous, self.member
+
+    def _on_gather(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        rendezvous, member = self._rendezvous()
+        assert data is not None or h.arg0 == 0
+        blob = words_to_bytes(data, h.arg0) if data is not None else b""
+        to = h.sender
+        rendezvous.gather(member, h.arg1, blob).add_done_callback(lambda f: self._answer_number(to, h, f))
+
+    def _on_gather_fetch(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        result = self._rendezvous()[0].result(h.arg1)
+        self._reply(h.sender, h, bytes_to_words(result), arg0=len(result))
+
+    def _on_stop(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        self.coordinator.stop.set()
+
+    # ---------------------------------------------------------------- the loop's own
+    def _on_bye(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        to, w = h.sender, self._worker(h)
+        self.bye_from.add(to)
+        self._pulled = {key: c for key, c in self._pulled.items() if key[0] != to}
+        if self.member is None and w in self.workers:
+            for s in self.shards.values():
+                s.idle(w)
 
 
 def _block_bits(flags: int) -> int:

@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from ivyplug.ps.config import DEFAULT_TIMEOUT_S, PSConfig
 from ivyplug.ps.server import job_description
 from ivyplug.ps.server.batch_queue import BatchQueue
+from ivyplug.ps.server.coordinator import Coordinator, Rendezvous
 from ivyplug.ps.server.loop import MAX_BLOB_BYTES, ServerLoop
 from ivyplug.ps.server.mirror import OptimizerSpec
 from ivyplug.ps.server.shard import Shard, load_state_bytes
@@ -96,76 +96,10 @@ class Traffic:
         return out
 
 
-class Rendezvous:
-    """Collectives among a job's live workers (its own lock): round ``seq`` completes once every live
-    worker contributed; a worker lost meanwhile no longer counts. Lightning's ``barrier``, ``broadcast``,
-    ``reduce`` and the PS client's own collectives run on it, so a dead worker never hangs the others."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._members: set[int] = set()
-        self._rounds: dict[int, dict[int, bytes]] = {}
-        self._waiting: dict[int, list[Future[int]]] = {}
-        self._results: dict[int, bytes] = {}
-
-    def join(self, slot: int) -> None:
-        with self._lock:
-            if not self._members:  # a new run: its collectives count from 1 again
-                self._rounds, self._waiting, self._results = {}, {}, {}
-            self._members.add(slot)
-
-    def leave(self, slot: int) -> None:
-        with self._lock:
-            self._members.discard(slot)
-            done = [seq for seq in self._rounds if self._complete(seq)]
-            ready = [self._finish(seq) for seq in done]
-        self._resolve(ready)
-
-    def gather(self, slot: int, seq: int, blob: bytes) -> Future[int]:
-        """This worker's part of round ``seq``; the future gives the result's length once it completes."""
-        fut: Future[int] = Future()
-        with self._lock:
-            if seq in self._results:
-                raise PSProtocolError(f"worker {slot} joined collective {seq} after it completed")
-            self._rounds.setdefault(seq, {})[slot] = blob
-            self._waiting.setdefault(seq, []).append(fut)
-            ready = [self._finish(seq)] if self._complete(seq) else []
-        self._resolve(ready)
-        return fut
-
-    def result(self, seq: int) -> bytes:
-        with self._lock:
-            if seq not in self._results:
-                raise PSProtocolError(f"collective {seq} has no result (not complete, or long gone)")
-            return self._results[seq]
-
-    def _complete(self, seq: int) -> bool:
-        return self._members <= set(self._rounds[seq])
-
-    def _finish(self, seq: int) -> tuple[list[Future[int]], int]:
-        parts = self._rounds.pop(seq)
-        slots = sorted(parts)
-        blobs = [
-            torch.frombuffer(bytearray(parts[s]), dtype=torch.uint8) if parts[s] else torch.zeros(0, dtype=torch.uint8)
-            for s in slots
-        ]
-        self._results[seq] = typed_state.encode({"slots": slots, "blobs": blobs})
-        for old in [k for k in self._results if k < seq - 2]:  # every live worker fetched those already
-            del self._results[old]
-        return self._waiting.pop(seq, []), len(self._results[seq])
-
-    @staticmethod
-    def _resolve(ready: list[tuple[list[Future[int]], int]]) -> None:
-        for futures, size in ready:
-            for fut in futures:
-                if not fut.done():
-                    fut.set_result(size)
-
-
 @dataclass
 class ServedJob:
     """A job as an ``ivyplug serve`` holds it: what its first worker described, the shards built from it, and
-    the batch queue, rendezvous and stop flag its workers share."""
+    the coordinator its workers share (batch queue, rendezvous, stop flag)."""
 
     description: dict[str, Any]
     cfg: PSConfig
@@ -173,9 +107,7 @@ class ServedJob:
     spec: OptimizerSpec
     num_workers: int
     shards: dict[int, Shard]
-    queue: BatchQueue
-    rendezvous: Rendezvous = field(default_factory=Rendezvous)
-    stop: threading.Event = field(default_factory=threading.Event)
+    coordinator: Coordinator
 
 
 def _mb(n: int) -> str:
@@ -424,16 +356,7 @@ class PSService:
             slot, job = self._join(member, channel)
             if slot is None or job is None:
                 return
-            loop = ServerLoop(
-                channel,
-                job.shards,
-                job.queue,
-                {1},
-                job.stop,
-                member=slot,
-                traffic=self.traffic,
-                rendezvous=job.rendezvous,
-            )
+            loop = ServerLoop(channel, job.shards, job.coordinator, {1}, member=slot, traffic=self.traffic)
             with self._lock:
                 watched.slot, watched.loop = slot, loop
             loop.run()  # on this thread: ends at the member's BYE, or when its pair breaks
@@ -542,7 +465,7 @@ class PSService:
             return None, None
         for shard in job.shards.values():
             shard.join(slot)
-        job.rendezvous.join(slot)
+        job.coordinator.join(slot)
         channel.send(
             1,
             Header(kind=Kind.REPLY, sender=0, seq=h.seq, arg0=slot, arg1=int(created), arg2=job.num_workers),
@@ -569,7 +492,7 @@ class PSService:
                     raise ValueError(f"this worker's job differs from the one the servers hold: {diff}")
             job = self.job
             if not self.slots:  # a new run (all earlier workers left): its stop flag starts lowered
-                job.stop.clear()
+                job.coordinator.stop.clear()
             if want >= 0:
                 if want >= job.num_workers:
                     raise ValueError(f"worker slot {want} asked for, the servers have slots 0..{job.num_workers - 1}")
@@ -584,7 +507,7 @@ class PSService:
                     )
                 slot = free[0]
             self.slots[slot] = member
-            job.queue.rejoin(slot)
+            job.coordinator.rejoin(slot)
         if created:
             self._publish()
         return slot, created, job
@@ -605,7 +528,8 @@ class PSService:
             shards[s] = Shard(s, plan, cfg, num_workers, spec, init)
         for shard in shards.values():
             shard.connect_peers({s: other for s, other in shards.items() if s != shard.shard})  # in-process peers
-        return ServedJob(desc, cfg, plan, spec, num_workers, shards, BatchQueue(num_workers))
+        coordinator = Coordinator(BatchQueue(num_workers), rendezvous=Rendezvous())
+        return ServedJob(desc, cfg, plan, spec, num_workers, shards, coordinator)
 
     def _leave(self, slot: int, reason: str | None, member: int | None = None) -> None:
         """Worker ``slot`` left (``reason=None``) or is gone. ``member``: only if the slot is still that member's
@@ -622,10 +546,7 @@ class PSService:
         if job is not None:
             for shard in job.shards.values():
                 shard.leave(slot, reason)
-            # before the collectives go on without it: the batches it had not finished go back to the queue
-            back, late = job.queue.release(slot)
-            epoch = job.queue.epoch
-            job.rendezvous.leave(slot)
+            back, late, epoch = job.coordinator.release(slot)
         if left == 0:
             self.emptied.set()
         how = "left" if reason is None else f"is gone: {reason}"

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ivyplug.ps.config import PSConfig, parse_address
 from ivyplug.ps.server import job_description
 from ivyplug.ps.server.batch_queue import BatchQueue
+from ivyplug.ps.server.coordinator import Coordinator
 from ivyplug.ps.server.dedicated import check_ps_host, launch, ps_host
 from ivyplug.ps.server.endpoints import InProcessEndpoint, ShardEndpoint, WireEndpoint, WireStats
 from ivyplug.ps.server.loop import ServerLoop
@@ -103,7 +104,8 @@ def colocated(job: WorkerJob) -> Topology:
     topo.queue = BatchQueue(world_size) if rank == 0 else None
     if channel is not None:
         others = set(range(world_size)) - {rank}
-        topo.loop = ServerLoop(channel, local, topo.queue, others, job.stop, workers=others)
+        coordinator = Coordinator(topo.queue, job.stop)
+        topo.loop = ServerLoop(channel, local, coordinator, others, workers=others)
         topo.loop.start()
         topo.loop_ranks = sorted(others)
         if rank != 0:

@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+from ivyplug.integrations.lightning.lightning_internals import sampler_inside
 from ivyplug.integrations.lightning.share_sampler import loader_settings
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
@@ -421,7 +422,7 @@ def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
         return True, int(os.environ.get("PL_GLOBAL_SEED", 0))
     if isinstance(sampler, SequentialSampler):
         return False, 0
-    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
+    inner = sampler_inside(sampler)  # in Lightning's DistributedSamplerWrapper
     name = type(sampler).__name__ + (f" around a {type(inner).__name__}" if inner is not None else "")
     raise ValueError(
         f"IvyPSStrategy(mode='async'/'ssp') hands out batches itself and needs a plain sampler, got {name}; "

@@ -1,7 +1,8 @@
 """Where ivyplug reaches past Lightning's public API, in one place, with the versions it was checked against.
 
 Each function says what it relies on and why no public hook serves. The launchers (launchers.py) subclass
-Lightning's own; everything else that touches Lightning's private names or patches one of its objects is here:
+Lightning's own, and the PS strategy overrides ``DDPStrategy._configure_launcher`` (with
+:func:`install_checked_launcher`); everything else that reads, writes or patches Lightning's private names is here:
 
 * :func:`init_dist_connection`: Lightning's process-group set-up, called by the PS strategy's
   ``setup_distributed`` with a store of its own (torchrun restarts);
@@ -11,7 +12,13 @@ Lightning's own; everything else that touches Lightning's private names or patch
 * :func:`record_norm_clipping`: the PS clips the combined gradient once, so the precision plugin's
   ``clip_gradients`` records the requested norm instead of clipping each worker's own gradient;
 * :func:`take_ddp_comm_hook` / :func:`give_back_ddp_comm_hook`: a user's ``ddp_comm_hook`` on a
-  ``DDPStrategy``, which the load balancer composes with its share-weighting hook (torch allows one per model).
+  ``DDPStrategy``, which the load balancer composes with its share-weighting hook (torch allows one per model);
+* :func:`per_step_collective_problems`: the Trainer options and callbacks that run a collective per batch
+  (some known only by private attributes), refused for async/ssp before any worker starts;
+* :func:`install_checked_launcher`, :func:`init_process_group`: the PS strategy's launchers and process group,
+  set where ``DDPStrategy`` sets its own (its ``_launcher``, ``_process_group_backend``, ``_timeout``);
+* :func:`trainer_of`, :func:`sampler_inside`: a module's trainer before it is attached, and the sampler inside
+  Lightning's ``DistributedSamplerWrapper`` (named in an error).
 
 A Lightning version outside :data:`CHECKED_LIGHTNING` gets a warning, once, naming these.
 """
@@ -20,9 +27,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import lightning
+from ivyplug.integrations.lightning.launchers import CheckedMultiProcessingLauncher, CheckedSubprocessScriptLauncher
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -49,9 +59,40 @@ def warn_if_unchecked() -> None:
     )
 
 
-def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
-    """Lightning's default process-group set-up (``lightning.fabric.utilities.distributed``)."""
-    _init_dist_connection(cluster_environment, backend, **kwargs)
+def install_checked_launcher(strategy: Any) -> None:
+    """What ``DDPStrategy._configure_launcher`` does, with launchers that check the fit first (launchers.py)."""
+    assert strategy.cluster_environment is not None
+    if strategy._start_method == "popen":
+        strategy._launcher = CheckedSubprocessScriptLauncher(
+            strategy, strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+        )
+    else:
+        strategy._launcher = CheckedMultiProcessingLauncher(strategy, start_method=strategy._start_method)
+
+
+def init_process_group(strategy: Any, store_for: Callable[[int, timedelta], Any], interface: Any) -> None:
+    """``DDPStrategy.setup_distributed``'s process group, with a store of the caller's (``store_for(world_size,
+    timeout)``, or None for Lightning's own) and inside ``interface`` (a context that picks gloo's interface)."""
+    warn_if_unchecked()
+    strategy._process_group_backend = strategy._get_process_group_backend()
+    kwargs: dict[str, Any] = {"timeout": strategy._timeout}
+    if strategy.root_device.type != "cpu":
+        kwargs["device_id"] = strategy.root_device
+    store = store_for(strategy.world_size, strategy._timeout or default_pg_timeout)
+    if store is not None:
+        kwargs["store"] = store
+    with interface:
+        _init_dist_connection(strategy.cluster_environment, strategy._process_group_backend, **kwargs)
+
+
+def trainer_of(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or None (its ``trainer`` property raises before that)."""
+    return getattr(module, "_trainer", None)
+
+
+def sampler_inside(sampler: Any) -> Any:
+    """The sampler a ``DistributedSamplerWrapper`` wraps (in its dataset's ``_sampler``), else None."""
+    return getattr(getattr(sampler, "dataset", None), "_sampler", None)
 
 
 def patch_epoch_loop(
@@ -146,3 +187,42 @@ def take_ddp_comm_hook(strategy: Any, comm_hook: str) -> tuple[tuple[Any, Any], 
 def give_back_ddp_comm_hook(strategy: Any, taken: tuple[Any, Any]) -> None:
     """Put a hook :func:`take_ddp_comm_hook` took back on the strategy (a later fit may reuse it)."""
     strategy._ddp_comm_hook, strategy._ddp_comm_wrapper = taken
+
+
+def per_step_collective_problems(trainer: Any, model: Any = None) -> list[str]:
+    """Human-readable reasons why ``trainer`` cannot run an async/ssp PS fit (empty when it can)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+    from lightning.pytorch.callbacks.timer import Interval
+
+    problems: list[str] = []
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        problems.append("a time-based val_check_interval (validation must run at epoch end: use 1.0)")
+    interval = getattr(trainer, "val_check_interval", 1.0)
+    if isinstance(interval, bool) or not isinstance(interval, float) or interval != 1.0:
+        problems.append(f"val_check_interval={interval!r} (validation must run once per epoch: use 1.0)")
+    if getattr(trainer, "check_val_every_n_epoch", 1) is None:
+        problems.append("check_val_every_n_epoch=None (batch-count validation; use an epoch interval)")
+    for callback in getattr(trainer, "callbacks", []):
+        if isinstance(callback, ModelCheckpoint):
+            if getattr(callback, "_every_n_train_steps", 0):
+                problems.append(
+                    f"ModelCheckpoint(every_n_train_steps={callback._every_n_train_steps}) "
+                    "(checkpoint per epoch instead: every_n_epochs)"
+                )
+            if getattr(callback, "_train_time_interval", None) is not None:
+                problems.append("ModelCheckpoint(train_time_interval=...) (checkpoint per epoch instead)")
+        if isinstance(callback, Timer) and getattr(callback, "_interval", None) == Interval.step:
+            problems.append(
+                "a Timer checked every step (Trainer(max_time=...) adds one): use Timer(duration, interval='epoch')"
+            )
+    fit_loop = getattr(trainer, "fit_loop", None)
+    if getattr(trainer, "max_steps", -1) != -1 and (
+        getattr(fit_loop, "min_steps", None) or getattr(fit_loop, "min_epochs", None)
+    ):
+        problems.append(
+            "max_steps together with min_steps/min_epochs (the first worker to reach max_steps ends every "
+            "worker's fit at that epoch's end, and a minimum would keep the others training without it)"
+        )
+    if getattr(getattr(trainer, "strategy", None), "_layer_sync", None) is not None:
+        problems.append("sync_batchnorm=True (SyncBatchNorm all-reduces in every forward)")
+    return problems

@@ -17,17 +17,17 @@ class PSMetricsLogger(Callback):
     """Installed by :class:`IvyPSStrategy`; not meant to be added by users."""
 
     def __init__(self, strategy: Any) -> None:
-        self._strategy = strategy
+        self._ps_strategy = strategy
         self.last: dict[str, float] = {}
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._strategy.end_train_epoch()
-        local = self._strategy.ps_metrics()
+        self._ps_strategy.end_train_epoch()
+        local = self._ps_strategy.ps_metrics()
         if not local:
             return
         names = sorted(local)
         values = torch.tensor([float(local[n]) for n in names], dtype=torch.float64)
-        by_rank = self._strategy.gather_by_rank(values)
+        by_rank = self._ps_strategy.gather_by_rank(values)
         self.last = {}
         for rank, row in sorted(by_rank.items()):
             for i, name in enumerate(names):

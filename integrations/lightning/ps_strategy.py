@@ -41,18 +41,19 @@ from ivyplug.integrations.lightning.dispatch_loader import process_async_loader
 from ivyplug.integrations.lightning.elastic_rendezvous import attempt_store
 from ivyplug.integrations.lightning.launchers import (
     CheckedMultiProcessingLauncher,
-    CheckedSubprocessScriptLauncher,
     destroy_default_group,
 )
 from ivyplug.integrations.lightning.lightning_internals import (
-    init_dist_connection,
+    init_process_group,
+    install_checked_launcher,
     patch_epoch_loop,
+    per_step_collective_problems,
     record_norm_clipping,
     restore_clipping,
+    trainer_of,
     unpatch_epoch_loop,
 )
 from ivyplug.integrations.lightning.ps_metrics import PSMetricsLogger
-from ivyplug.integrations.lightning.trainer_checks import per_step_collective_problems
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
@@ -255,13 +256,7 @@ class IvyPSStrategy(DDPStrategy):
         registration.register_strategies(strategy_registry)
 
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = CheckedSubprocessScriptLauncher(
-                self, self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+        install_checked_launcher(self)
 
     def check_fit_configuration(self, trainer: Any, model: Any) -> None:
         """Refuse, before any worker starts, a fit this strategy cannot run (``ValueError``)."""
@@ -288,17 +283,9 @@ class IvyPSStrategy(DDPStrategy):
         """Lightning's, with a per-attempt store under torchrun, so restarted workers can rejoin the servers."""
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        store = attempt_store(self.world_size, self._timeout or default_pg_timeout)
-        if store is not None:
-            kwargs["store"] = store
         # gloo binds the interface that reaches the main address unless GLOO_SOCKET_IFNAME says otherwise
-        with gloo_net.interface_for(self.cluster_environment.main_address):
-            init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        init_process_group(self, attempt_store, gloo_net.interface_for(self.cluster_environment.main_address))
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: gradients travel through the PS."""
@@ -408,7 +395,7 @@ class IvyPSStrategy(DDPStrategy):
         if client is not None and client.lost_ranks:
             self._lost_ranks = client.lost_ranks
         self._client = None
-        self._remove_patches(getattr(self.lightning_module, "_trainer", None))
+        self._remove_patches(trainer_of(self.lightning_module))
         if any(isinstance(o, PSOptimizer) for o in self.optimizers):  # the module's own optimizers again
             self.optimizers = [o.optimizer if isinstance(o, PSOptimizer) else o for o in self.optimizers]
         detach = getattr(self._local_updates, "detach", None)
@@ -429,7 +416,7 @@ class IvyPSStrategy(DDPStrategy):
         ``configure_optimizers``); a training loader that cannot be dispatched is refused, never trained as is.
         """
         dataloader = super().process_dataloader(dataloader)
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = trainer_of(self.lightning_module)
         if self.is_async and trainer is not None:
             return process_async_loader(
                 trainer, dataloader, lambda: self._client, rank=self.global_rank, world_size=self.world_size
@@ -633,7 +620,7 @@ class IvyPSStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Refuse a checkpoint that cannot resume a PS fit before the PS starts (validate/test take any)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = trainer_of(self.lightning_module)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._check_resumable(checkpoint)
         return checkpoint

@@ -10,24 +10,37 @@ import pytest
 from ivyplug.integrations.lightning import lightning_internals
 
 PACKAGE = Path(lightning_internals.__file__).parent
-#: Lightning's private attributes the integration uses (on its strategies, loops and launchers)
-PRIVATE_ATTRIBUTES = {
-    "_broadcast_sigterm_tensor",
-    "_ddp_comm_hook",
-    "_ddp_comm_state",
-    "_ddp_comm_wrapper",
-    "_opt_called",
-    "_wrap_closure",
+#: private attributes a DDPStrategy (or a launcher) subclass inherits from Lightning, read or written on ``self``
+INHERITED_PRIVATE = {
+    "_get_process_group_backend",
+    "_launcher",
+    "_process_group_backend",
+    "_start_method",
+    "_strategy",
+    "_timeout",
 }
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def _reaches_private_lightning(path: Path) -> list[str]:
+    """Private names of Lightning imported, and private attributes read or written on anything but ``self`` (the
+    module's own state), by attribute or by ``getattr``/``hasattr`` with a literal name, or inherited from
+    Lightning (:data:`INHERITED_PRIVATE`) on ``self``."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("lightning", "pytorch_lightning"):
-            found += [f"imports {a.name}" for a in node.names if a.name.startswith("_")]
-        elif isinstance(node, ast.Attribute) and node.attr in PRIVATE_ATTRIBUTES:
-            found.append(f"uses .{node.attr}")
+            found += [f"imports {a.name}" for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            on_self = isinstance(node.value, ast.Name) and node.value.id == "self"
+            if not on_self or node.attr in INHERITED_PRIVATE:
+                found.append(f"uses {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            name = node.args[1] if len(node.args) > 1 else None
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+                found.append(f"{node.func.id}(..., {name.value!r})")
     return found
 
 

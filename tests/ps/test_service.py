@@ -128,11 +128,9 @@ def test_a_dropped_worker_is_refused_every_request_not_only_the_first() -> None:
             while not any("no heartbeat" in line for line in lines) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert any("no heartbeat" in line for line in lines), lines
-            for _ in range(3):
-                started = time.monotonic()
+            for _ in range(3):  # answered with the reason: before, the second waited out its timeout (PSTimeoutError)
                 with pytest.raises(PSServerError, match="was dropped by ivyplug serve"):
                     client.pull_initial()
-                assert time.monotonic() - started < 2.0  # answered, not timed out
         finally:
             with contextlib.suppress(Exception):
                 client.close()

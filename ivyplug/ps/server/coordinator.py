@@ -1,10 +1,10 @@
 """``Coordinator``: what a job's workers share besides its shards: the batch queue, the stop flag, the rendezvous.
 
-One object owns the three, so that a server loop asks one place for them and a worker's coming and going
-changes them together. Co-located and dedicated servers: rank 0's loop holds the batch queue (async/ssp
-dispatch), every loop the stop flag of its process. ``ivyplug serve``: one coordinator per job, with a
-:class:`Rendezvous` for the collectives of its live workers (Lightning's ``barrier``/``broadcast``/``reduce``
-run on it, so a dead worker never hangs the others).
+One object owns the three, so that a server loop asks one place for them and a worker's leaving changes them
+together. Co-located servers: each rank's loop has a coordinator with its process's stop flag, and rank 0's
+holds the batch queue (async/ssp dispatch). ``ivyplug serve`` (which dedicated servers run too): one
+coordinator per job, with a :class:`Rendezvous` for the collectives of its live workers (Lightning's
+``barrier``/``broadcast``/``reduce`` run on it, so a dead worker never hangs the others).
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ class Coordinator:
     stop: threading.Event = field(default_factory=threading.Event)
     rendezvous: Rendezvous | None = None
 
-    def join(self, slot: int) -> None:
-        """Worker ``slot`` joined: it counts in the collectives from now on."""
+    def join_collectives(self, slot: int) -> None:
+        """Worker ``slot`` joined (its shards know it): it counts in the collectives from now on."""
         if self.rendezvous is not None:
             self.rendezvous.join(slot)
 
-    def rejoin(self, slot: int) -> None:
-        """Worker ``slot`` took its place in the batch queue (a new worker, or one back in its old slot)."""
+    def rejoin_queue(self, slot: int) -> None:
+        """Worker ``slot`` was admitted: it takes its place in the batch queue (a new worker, or one back in its
+        old slot)."""
         if self.queue is not None:
             self.queue.rejoin(slot)
 

@@ -110,9 +110,12 @@ class ServerLoop(threading.Thread):
         self.traffic = traffic
         self.bye_from: set[int] = set()
         self.error: BaseException | None = None
-        #: set (to why) when an ``ivyplug serve`` dropped this member for its silence: whatever it sends later
-        #: is refused with that text, until it leaves or stays silent for the timeout (a worker may take a refused
-        #: request for a fallback, as a refused SHM_ATTACH is, and send another: that one is refused too)
+        #: set (to why) when an ``ivyplug serve`` dropped this member for its silence: each request it sends
+        #: later that wants a reply is refused with that text, the others (a STOP, data sent ahead, an IDLE) are
+        #: ignored, until it leaves (BYE), its connection breaks, or it stays silent for the timeout after a
+        #: request (a worker may take a refused request for a fallback, as a refused SHM_ATTACH is, and send
+        #: another: that one is refused too). A member that never sends again holds the loop's wait for the next
+        #: request, as before the drop (a receive that timed out would close the pair).
         self.dropped: str | None = None
         self._state_blob = b""
         # (sender, shard) -> the buffer its pushes are received into. Reuse is safe: a shard takes a push
@@ -214,7 +217,7 @@ class ServerLoop(threading.Thread):
         while not self.expect_bye <= self.bye_from:
             refusal: str | None = None
             try:
-                # once dropped, a silent member ends the loop after the timeout (it waits for the next request)
+                # once dropped, a member silent for the timeout after a request ends the loop
                 wait = self.channel.timeout if self.dropped is not None else None
                 header = self.channel.recv_request_header(peer, wait)
                 if self.member is not None:

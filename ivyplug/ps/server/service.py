@@ -465,7 +465,7 @@ class PSService:
             return None, None
         for shard in job.shards.values():
             shard.join(slot)
-        job.coordinator.join(slot)
+        job.coordinator.join_collectives(slot)
         channel.send(
             1,
             Header(kind=Kind.REPLY, sender=0, seq=h.seq, arg0=slot, arg1=int(created), arg2=job.num_workers),
@@ -507,7 +507,7 @@ class PSService:
                     )
                 slot = free[0]
             self.slots[slot] = member
-            job.coordinator.rejoin(slot)
+            job.coordinator.rejoin_queue(slot)
         if created:
             self._publish()
         return slot, created, job

@@ -179,7 +179,6 @@ class PulledCopy:
             raise ValueError(f"the codecs of a pulled copy encode one shard: {block.numel} != {bf16.numel} values")
         self.block, self.bf16 = block, bf16
         self.values: torch.Tensor | None = None  # c: the parameters both ends hold; None until a bf16 pull
-        self._diff: torch.Tensor | None = None  # the server's scratch for x − c, reused by every pull
 
     @property
     def held(self) -> bool:
@@ -202,9 +201,8 @@ class PulledCopy:
         if self.values is None:
             raise ValueError("no pulled copy is held: the first pull travels whole (encode_whole)")
         n = self.block.quantized
-        diff = self._diff
-        if diff is None or diff.numel() != flat.numel():
-            diff = self._diff = torch.empty_like(flat)
+        # a scratch per pull, not one per copy: a serve holds a copy per worker and shard
+        diff = torch.empty_like(flat)
         torch.sub(flat[:n], self.values, out=diff[:n])
         diff[n:].copy_(flat[n:])
         words = self.block.encode(diff, feedback=False)

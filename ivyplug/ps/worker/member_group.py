@@ -1,4 +1,4 @@
-"""Collectives among a job's live workers, through its ``ivyplug serve`` (server/service.py's ``Rendezvous``).
+"""Collectives among a job's live workers, through its ``ivyplug serve`` (server/coordinator.py's ``Rendezvous``).
 
 The twin of worker_group.py for jobs whose servers live outside the workers (``servers=`` or
 ``num_servers=k``): the same calls, but a worker that dies leaves the group instead of hanging everyone in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import time
@@ -134,6 +135,26 @@ def test_a_dropped_worker_is_refused_every_request_not_only_the_first() -> None:
         finally:
             with contextlib.suppress(Exception):
                 client.close()
+    finally:
+        svc.close()
+
+
+def test_a_client_dropped_without_close_stops_its_heartbeat() -> None:
+    """A client lost without close() (a failed caller) stops its heartbeat thread once collected; before, every
+    such client kept a thread and a store connection for the life of the process (the fuzz test leaked one per
+    example until the service's store ran out of descriptors)."""
+    svc = PSService(1, port=0, num_workers=1, timeout=10, status_every=None, log=lambda line: None)
+    try:
+        model = torch.nn.Linear(4, 2)
+        cfg = PSConfig(mode="async", servers=svc.address, timeout=10)
+        client = PSClient.start(cfg, list(model.named_parameters()), [], torch.optim.SGD(model.parameters(), lr=0.1))
+        assert client.topo.link is not None and client.topo.link.heartbeat is not None
+        beat = client.topo.link.heartbeat
+        assert beat.is_alive() and not beat.stopped.is_set()
+        del client
+        gc.collect()
+        beat.join(5)
+        assert beat.stopped.is_set() and not beat.is_alive()
     finally:
         svc.close()
 

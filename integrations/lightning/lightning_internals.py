@@ -95,9 +95,7 @@ def sampler_inside(sampler: Any) -> Any:
     return getattr(getattr(sampler, "dataset", None), "_sampler", None)
 
 
-def patch_epoch_loop(
-    trainer: Any, in_batch: Callable[[bool], None], stop_requested: Callable[[bool], bool] | None
-) -> None:
+def patch_epoch_loop(trainer: Any, in_batch: Callable[[bool], None], stop_requested: Callable[[bool], bool]) -> None:
     """Patch ``trainer``'s training epoch loop for ranks that are not in lockstep.
 
     ``in_batch(True)`` / ``in_batch(False)`` are called around each ``advance`` (one training batch).
@@ -107,7 +105,7 @@ def patch_epoch_loop(
     """
     warn_if_unchecked()
     epoch_loop = trainer.fit_loop.epoch_loop
-    if stop_requested is not None and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+    if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
 
         def broadcast_sigterm_via_ps() -> None:
             if stop_requested(bool(getattr(trainer, "received_sigterm", False))):

@@ -844,8 +844,10 @@ def _compiled_lamb(
     if every:
         return list(got)
     chosen = set(fast)
-    other = [i for i in range(n) if i not in chosen]
-    return _in_parts(t, h, workspace, [(fast, lambda *_: list(got)), (other, _torch_lamb)])
+    ratios = _in_parts(t, h, workspace, [([i for i in range(n) if i not in chosen], _torch_lamb)])
+    for i, r in zip(fast, got, strict=True):
+        ratios[i] = r
+    return ratios
 
 
 def _torch_lamb(t: StepTensors, h: LambHyper, workspace: Workspace) -> list[float | Tensor]:

@@ -52,10 +52,14 @@ __all__ = [
     "COMPILED_SPLIT_ELEMENTS",
     "CPU_CHUNK_ELEMENTS",
     "CPU_SMALL_ELEMENTS",
+    "Direction",
     "LambHyper",
     "Workspace",
+    "direction_ratio",
     "global_grad_norm",
     "lamb",
+    "lamb_apply",
+    "lamb_direction",
     "resolve_foreach",
     "trust_ratio",
 ]
@@ -366,38 +370,69 @@ def _in_parts(
     return ratios
 
 
+class Direction(NamedTuple):
+    """What :func:`lamb_direction` leaves for :func:`lamb_apply`: the update is ``scale`` times the scratch it
+    filled; ``param_sq`` = ``‖x‖²`` (0 when the ratio is not adapted), ``scratch_sq`` = ``‖scratch‖²``."""
+
+    param_sq: float
+    scratch_sq: float
+    scale: float
+
+
+def lamb_direction(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, h: LambHyper, out: Tensor) -> Direction:
+    """First half of one tensor's LAMB step: the moments and the direction ``u = m̂/(√v̂+ε) + λx`` (into ``out``,
+    shaped like ``p``, as ``u/λ`` or ``u/c``), and the sums of squares its trust ratio needs; ``p`` is not changed.
+
+    A tensor split across parameter-server shards takes its ratio from every piece's sums: each shard runs this on
+    its piece, the shards add up their :class:`Direction` sums, and each applies :func:`lamb_apply` with the ratio
+    of the whole tensor.
+    """
+    beta1, beta2, weight_decay, grad_scale = h.beta1, h.beta2, h.weight_decay, h.grad_scale
+    step += 1
+    c, eps_s = _bias_factors(step.item(), beta1, beta2, h.eps, h.bias_correction)
+    if grad_scale == 1.0:
+        m.lerp_(g, 1.0 - beta1)
+    else:
+        m.mul_(beta1).add_(g, alpha=(1.0 - beta1) * grad_scale)
+    v.mul_(beta2).addcmul_(g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
+    param_sq = _sumsq(p) if h.adapt else 0.0
+    torch.sqrt(v, out=out)
+    out.add_(eps_s)
+    if h.fold:  # out holds (m̂/(√v̂+ε) + λx) / λ
+        torch.addcdiv(p, m, out, value=c / weight_decay, out=out)
+        scale = weight_decay
+    else:  # out holds (m̂/(√v̂+ε) + λx) / c
+        torch.div(m, out, out=out)
+        if weight_decay != 0.0:
+            out.add_(p, alpha=weight_decay / c)
+        scale = c
+    return Direction(param_sq, _sumsq(out) if h.adapt else 0.0, scale)
+
+
+def direction_ratio(param_sq: float, scratch_sq: float, scale: float, h: LambHyper) -> float:
+    """The trust ratio of a tensor from its (summed) :class:`Direction` sums of squares."""
+    if not h.adapt:
+        return 1.0
+    return trust_ratio(math.sqrt(param_sq), scale * math.sqrt(scratch_sq), h.min_trust_ratio, h.max_trust_ratio)
+
+
+def lamb_apply(p: Tensor, direction: Tensor, scale: float, ratio: float, lr: float) -> None:
+    """Second half of the step: ``x ← x − η·ratio·u`` with ``u = scale · direction`` (:func:`lamb_direction`)."""
+    p.add_(direction, alpha=-lr * ratio * scale)
+
+
 def _single_tensor_lamb(t: StepTensors, h: LambHyper, workspace: Workspace) -> list[float | Tensor]:
     """Reference kernel: one tensor at a time, each tensor's passes run while it is hot in cache.
 
     Reads norms back to the host per tensor (free on CPU, a sync per tensor on accelerators, where the
     multi-tensor kernel is the default). Its ops honour strides and any dtype.
     """
-    beta1, beta2, weight_decay, grad_scale = h.beta1, h.beta2, h.weight_decay, h.grad_scale
     ratios: list[float | Tensor] = []
     for p, g, m, v, step_t in zip(*t, strict=True):
-        step_t += 1
-        c, eps_s = _bias_factors(step_t.item(), beta1, beta2, h.eps, h.bias_correction)
-        if grad_scale == 1.0:
-            m.lerp_(g, 1.0 - beta1)
-        else:
-            m.mul_(beta1).add_(g, alpha=(1.0 - beta1) * grad_scale)
-        v.mul_(beta2).addcmul_(g, g, value=(1.0 - beta2) * grad_scale * grad_scale)
-        param_norm = math.sqrt(_sumsq(p)) if h.adapt else 0.0
         (u,) = workspace.views((p,))
-        torch.sqrt(v, out=u)
-        u.add_(eps_s)
-        if h.fold:  # u holds (m̂/(√v̂+ε) + λx) / λ
-            torch.addcdiv(p, m, u, value=c / weight_decay, out=u)
-            scale = weight_decay
-        else:  # u holds (m̂/(√v̂+ε) + λx) / c
-            torch.div(m, u, out=u)
-            if weight_decay != 0.0:
-                u.add_(p, alpha=weight_decay / c)
-            scale = c
-        ratio = 1.0
-        if h.adapt:
-            ratio = trust_ratio(param_norm, scale * math.sqrt(_sumsq(u)), h.min_trust_ratio, h.max_trust_ratio)
-        p.add_(u, alpha=-h.lr * ratio * scale)
+        d = lamb_direction(p, g, m, v, step_t, h, u)
+        ratio = direction_ratio(d.param_sq, d.scratch_sq, d.scale, h)
+        lamb_apply(p, u, d.scale, ratio, h.lr)
         ratios.append(ratio)
     return ratios
 

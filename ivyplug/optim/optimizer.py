@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ivyplug.optim.functional import Workspace, global_grad_norm, lamb, resolve_foreach
+from ivyplug.optim.lamb_hyper import LambHyper
 
 __all__ = ["LAMB"]
 
@@ -206,7 +207,6 @@ class LAMB(torch.optim.Optimizer):
         self, group: dict[str, Any]
     ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        state_of = self.state
         for p in group["params"]:
             g = p.grad
             if g is None:
@@ -218,17 +218,39 @@ class LAMB(torch.optim.Optimizer):
                 )
             if p.is_complex():
                 raise RuntimeError(f"LAMB does not support complex parameters (got {p.dtype})")
-            state = state_of[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avg, exp_avg_sq, step = self.moments(p)
             params.append(p)
             grads.append(g)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+            exp_avgs.append(exp_avg)
+            exp_avg_sqs.append(exp_avg_sq)
+            steps.append(step)
         return params, grads, exp_avgs, exp_avg_sqs, steps
+
+    def moments(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``p``'s first and second moments and its step counter (zeros, created at its first step)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"], state["exp_avg_sq"], state["step"]
+
+    @staticmethod
+    def hyper(group: dict[str, Any], grad_scale: float = 1.0) -> LambHyper:
+        """The hyperparameters of one step of ``group`` as the kernels take them."""
+        beta1, beta2 = group["betas"]
+        return LambHyper(
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"],
+            max_trust_ratio=group["max_trust_ratio"],
+            min_trust_ratio=group["min_trust_ratio"],
+            exclude_from_layer_adaptation=group["exclude_from_layer_adaptation"],
+            grad_scale=grad_scale,
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

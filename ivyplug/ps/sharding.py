@@ -174,13 +174,14 @@ class ShardPlan:
         return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def auto_max_shard_bytes(specs: Sequence[TensorSpec], num_shards: int, elementwise: bool) -> int | None:
+def auto_max_shard_bytes(specs: Sequence[TensorSpec], num_shards: int, splits: bool) -> int | None:
     """What ``max_shard_bytes="auto"`` means for these tensors: ``None`` (whole tensors) or a byte limit.
 
-    Whole tensors unless the optimizer's update is element-wise (``elementwise``), there are several
-    shards and some parameter is larger than ideal / ``AUTO_PIECES_PER_SHARD``; then that is the limit.
+    Whole tensors unless a tensor split across shards keeps the optimizer's update (``splits``: an element-wise
+    update, or LAMB's in sync mode, whose shards combine the pieces' trust-ratio sums), there are several shards
+    and some parameter is larger than ideal / ``AUTO_PIECES_PER_SHARD``; then that is the limit.
     """
-    if not elementwise or num_shards < 2:
+    if not splits or num_shards < 2:
         return None
     total = sum(s.words for s in specs) * MASTER_ITEMSIZE
     limit = -(-total // (num_shards * AUTO_PIECES_PER_SHARD))  # ceil

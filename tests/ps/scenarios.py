@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,18 @@ def sync_equivalence(rank: int, world: int) -> dict[str, Any]:
         out[f"{name}_grad_sq"] = norms
         out[f"{name}_split"] = client.plan.split_tensors()  # max_shard_bytes="auto" (the default)
         out[f"{name}_balance"] = client.plan.balance
+        client.close()
+    # outside sync, LAMB's shards cannot combine a split tensor's trust ratio: "auto" keeps its tensors whole, and
+    # an explicit split is warned about
+    for max_shard_bytes in ("auto", 256):
+        model = mlp(seed=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            client = start(model, make_opt("lamb", model.parameters()), mode="async", max_shard_bytes=max_shard_bytes)
+        out[f"async_lamb_split_{max_shard_bytes}"] = client.plan.split_tensors()
+        out[f"async_lamb_warned_{max_shard_bytes}"] = [
+            str(w.message) for w in caught if "trust ratio" in str(w.message)
+        ]
         client.close()
     return out
 

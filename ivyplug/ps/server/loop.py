@@ -55,7 +55,9 @@ _WANTS_REPLY = (
 #: requests a worker sends on a shard's endpoint only once it has read that endpoint's last reply: their
 #: arrival frees what that reply kept (Channel.reap), a shard's lent state among it
 _REAPS = (Kind.PUSH_PULL, Kind.PUSH_DATA, Kind.PULL, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
-_NEEDS_SHARD = (Kind.PUSH_PULL, Kind.PUSH_DATA, Kind.PULL, Kind.NORM, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD)
+_NEEDS_SHARD = (
+    Kind.PUSH_PULL, Kind.PUSH_DATA, Kind.PULL, Kind.NORM, Kind.TRUST_SUMS, Kind.STATE_SIZE, Kind.STATE_FETCH, Kind.LOAD,
+)  # fmt: skip
 #: kinds whose fp32 payload is a push's data (received into the sender's reused buffer for that shard)
 _PUSHES = (Kind.PUSH_PULL, Kind.PUSH_DATA)
 #: largest state or description blob a member may announce (a LOAD carries one shard's state)
@@ -137,6 +139,7 @@ class ServerLoop(threading.Thread):
             Kind.SHM_ATTACH: self._on_shm_attach,
             Kind.IDLE: self._on_idle,
             Kind.NORM: self._on_norm,
+            Kind.TRUST_SUMS: self._on_trust_sums,
             Kind.STATE_SIZE: self._on_state_size,
             Kind.STATE_FETCH: self._on_state_fetch,
             Kind.LOAD: self._on_load,
@@ -523,6 +526,10 @@ class ServerLoop(threading.Thread):
     def _on_norm(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
         assert hyper is not None
         self._shard_for(h).norm(h.arg0, h.arg1, float(hyper[0]))
+
+    def _on_trust_sums(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
+        assert hyper is not None
+        self._shard_for(h).trust_sums(h.arg0, h.arg1, hyper.tolist())
 
     def _on_state_size(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
         self._state_blob = self._shard_for(h).state()

@@ -2,7 +2,8 @@
 endpoints a worker reaches them with (the worker's side of the wire carries only a worker's requests).
 
 In sync mode every shard sends its part of the combined gradient's squared norm to every other shard before
-it clips (docs/design.md "Gradient clipping"). Shards of one process (dedicated servers, an ``ivyplug serve``)
+it clips (docs/design.md "Gradient clipping"), and the sums of squares of its pieces of split LAMB tensors to
+the shards holding their other pieces (split_trust.py). Shards of one process (dedicated servers, an ``ivyplug serve``)
 call each other (a :class:`~ivyplug.ps.server.shard.Shard` is its own peer); co-located shards, one per
 worker rank, send a NORM message over the job's channel to the rank that serves the other shard, whose server
 loop hands it to its shard.
@@ -27,3 +28,8 @@ class WirePeer:
         """Tell this peer that ``shard``'s squared norm at sync step ``step`` is ``sq`` (does not wait)."""
         h = Header(kind=Kind.NORM, sender=self.channel.rank, shard=self.shard, arg0=step, arg1=shard)
         self.channel.send(self.shard, h, None, torch.tensor([sq], dtype=torch.float64), wait=False)
+
+    def trust_sums(self, step: int, shard: int, values: list[float]) -> None:
+        """Tell this peer ``shard``'s sums of squares of its split LAMB pieces at sync step ``step`` (does not wait)."""
+        h = Header(kind=Kind.TRUST_SUMS, sender=self.channel.rank, shard=self.shard, arg0=step, arg1=shard)
+        self.channel.send(self.shard, h, None, torch.tensor(values, dtype=torch.float64), wait=False)

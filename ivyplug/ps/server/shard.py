@@ -47,6 +47,7 @@ from ivyplug.ps.config import PSConfig
 from ivyplug.ps.server.lent_state import LentState, Loan
 from ivyplug.ps.server.mirror import OptimizerSpec
 from ivyplug.ps.server.mode_policy import policy_for
+from ivyplug.ps.server.split_trust import SplitTrust, combines_trust
 from ivyplug.ps.sharding import Piece, ShardPlan
 from ivyplug.ps.wire import typed_state
 from ivyplug.ps.wire.codecs import Bf16Codec, BlockCodec
@@ -114,9 +115,11 @@ class PushRefused(PSProtocolError):
 
 
 class NormPeer(Protocol):
-    """What a shard needs of another shard for the sync-mode norm exchange."""
+    """What a shard needs of another shard for the sync-mode exchanges (clipping norms, split LAMB tensors)."""
 
     def norm(self, step: int, shard: int, sq: float) -> None: ...
+
+    def trust_sums(self, step: int, shard: int, values: list[float]) -> None: ...
 
 
 _SyncPush = tuple[float, torch.Tensor | None, torch.Tensor | None, torch.Tensor, list[bool]]
@@ -159,6 +162,11 @@ class Shard:
             self.piece_group.append(g)
             by_group.setdefault(g, []).append(m)
         self.optimizer, self.groups = spec.build(by_group)
+        #: pieces of LAMB tensors cut across shards (sync): stepped in two halves around their sums (split_trust.py)
+        self.split: SplitTrust | None = None
+        if combines_trust(spec.cls, cfg.mode) and self.optimizer is not None:
+            split = SplitTrust(shard, plan, self.optimizer, self.masters, self.param_pieces, self.piece_group)
+            self.split = split if split.positions else None
         self.buffers = self.flat.data[self.n_param :]
         # integer buffers' int64 bits, as word ranges of self.buffers (never touched by float arithmetic)
         self._int_ranges = [
@@ -192,6 +200,9 @@ class Shard:
         self._ready: list[tuple[Future[Reply], Reply]] = []
         self._failed: list[Future[Reply]] = []
         self._norms_out: list[tuple[int, float]] = []
+        self._sums_out: list[tuple[int, list[float]]] = []  # split LAMB tensors' sums to send (split_trust.py)
+        #: a sync step whose split LAMB pieces wait for the other shards' sums: (grads, buffers, has_grad)
+        self._split_step: tuple[torch.Tensor, torch.Tensor, list[bool]] | None = None
         self._lost: dict[int, str] = {}  # worker -> why (sync: a step cannot complete without it)
         self._abort_reason: str | None = None  # why the futures in _failed fail, when not self.error
 
@@ -265,6 +276,9 @@ class Shard:
         self._parked = []
         self._sync_pushes = {}
         self._sync_combined = None
+        self._split_step = None
+        if self.split is not None:
+            self.split.forget()
         self.clock = [self.version] * self.num_workers  # the aborted step did not happen
         self._abort_reason = why
 
@@ -286,6 +300,18 @@ class Shard:
         with self._lock:
             try:
                 self._note_norm(step, shard, sq)
+            except BaseException as exc:
+                self._fail_locked(exc)
+        self._flush()
+
+    def trust_sums(self, step: int, shard: int, values: list[float]) -> None:
+        """Another shard's sums of squares of its pieces of split LAMB tensors at sync step ``step``."""
+        with self._lock:
+            try:
+                if self.split is None:
+                    raise PSProtocolError(f"shard {self.shard} holds no split LAMB tensor, but shard {shard} sent sums")
+                self.split.note_values(step, shard, values)
+                self._try_finish_split()
             except BaseException as exc:
                 self._fail_locked(exc)
         self._flush()
@@ -312,6 +338,7 @@ class Shard:
             ready, self._ready = self._ready, []
             failed, self._failed = self._failed, []
             norms, self._norms_out = self._norms_out, []
+            sums, self._sums_out = self._sums_out, []
             error = self._abort_reason or f"failed: {self.error}"
             self._abort_reason = None
         for fut in failed:  # pending replies fail now (their requesters hear it), not after a timeout
@@ -320,6 +347,10 @@ class Shard:
         for step, sq in norms:
             for peer in self._peers.values():
                 peer.norm(step, self.shard, sq)
+        for step, values in sums:
+            assert self.split is not None
+            for s in self.split.peers:
+                self._peers[s].trust_sums(step, self.shard, values)
         for fut, reply in ready:
             if not fut.done():
                 fut.set_result(reply)
@@ -509,6 +540,27 @@ class Shard:
             del self._norms[self.version]
         self._sync_combined = None
         self._apply_hyper(hyper)
+        if self.split is not None:
+            sums = self.split.begin(self.version, grads, has_grad)
+            if sums is not None:
+                self._split_step = (grads, bufs, has_grad)
+                self._sums_out.append((self.version, sums))
+                self._try_finish_split()
+                return
+        self._finish_sync(grads, bufs, has_grad)
+
+    def _try_finish_split(self) -> None:
+        """Finish the sync step whose split LAMB pieces waited, once every other piece's sums are in."""
+        if self._split_step is None or self.split is None or self.split.missing():
+            return
+        grads, bufs, has_grad = self._split_step
+        self._split_step = None
+        self._writable()
+        self.split.finish()
+        split = set(self.split.tensors)
+        self._finish_sync(grads, bufs, [has and t not in split for t, has in enumerate(has_grad)])
+
+    def _finish_sync(self, grads: torch.Tensor, bufs: torch.Tensor, has_grad: list[bool]) -> None:
         self._step(grads, has_grad)
         if bufs.numel():
             self._writable()
@@ -559,7 +611,11 @@ class Shard:
         return f"timed out after {timeout:g} s on shard {self.shard} (worker {worker}) waiting for {what}"
 
     def sync_wait(self) -> str:
-        """Sync: what the step in progress waits for (pushes, or the other shards' gradient norms)."""
+        """Sync: what the step in progress waits for (pushes, or the other shards' gradient norms or sums)."""
+        if self._split_step is not None and self.split is not None:
+            return (
+                f"the trust-ratio sums of step {self.version}'s split LAMB tensors from shard(s) {self.split.missing()}"
+            )
         missing = sorted(set(range(self.num_workers)) - set(self._sync_pushes))
         if self._sync_combined is None:
             return f"the pushes of step {self.version} from worker(s) {missing}"

@@ -56,6 +56,8 @@ class Kind:
     PUSH_DATA = 15  # the data of a push (gradients + buffers) ahead of its PUSH_PULL, which then carries no
     #                 data: sent from backward's gradient hooks (worker/early_push.py); no reply, nothing applied yet
     REPLY = 16
+    TRUST_SUMS = 18  # server to server: a sync step's sums of squares of the pieces of split LAMB tensors a shard
+    #                  holds (hyper payload = [tensor, sum x², sum u², ...]; server/split_trust.py)
     SHM_ATTACH = 17  # map the sender's shared-memory region for this shard (shared_region.py): payload = its
     #                  path (bytes in fp32 words, arg0 = length), arg1/arg2 = its nonce; reply arg0 = 1 if mapped
 

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ivyplug.optim.optimizer import LAMB
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.server.batch_queue import WAIT, check_count, check_epoch
 from ivyplug.ps.server.endpoints import PendingReply, PSServerError, WireEndpoint, WireReply, WireStats
 from ivyplug.ps.server.mirror import OptimizerSpec, is_elementwise
 from ivyplug.ps.server.shard import load_state_bytes
+from ivyplug.ps.server.split_trust import combines_trust
 from ivyplug.ps.sharding import ShardPlan, auto_max_shard_bytes, build_plan, tensor_specs
 from ivyplug.ps.wire import shared_region
 from ivyplug.ps.wire.codecs import BF16_OVERFLOW, BLOCK_BITS, PULL_BITS, Bf16Codec, BlockCodec, PulledCopy
@@ -171,9 +173,14 @@ class PSClient:
         link = service_link.connect(cfg) if cfg.servers is not None else None
         num_shards = link.num_shards if link is not None else (cfg.num_servers if cfg.num_servers > 0 else world_size)
         if cfg.max_shard_bytes == "auto":  # resolved here, so dedicated servers receive a plain number
-            cfg = replace(cfg, max_shard_bytes=auto_max_shard_bytes(specs, num_shards, is_elementwise(self.spec.cls)))
+            # LAMB's split tensors take their whole tensor's trust ratio where the shards can sum it (one process
+            # group or one service among them: sync steps, server/split_trust.py)
+            one_house = link is None or len(link.services) <= 1
+            splits = is_elementwise(self.spec.cls) or (one_house and combines_trust(self.spec.cls, cfg.mode))
+            cfg = replace(cfg, max_shard_bytes=auto_max_shard_bytes(specs, num_shards, splits))
             self.cfg = cfg
         self.plan = build_plan(specs, num_shards, cfg.max_shard_bytes)
+        self._check_split_trust(link is None or len(link.services) <= 1)
         self.layout = FlatLayout(self.plan, named_params, named_buffers)
         self.workers = WorkerGroup(rank, world_size, cfg.timeout)
         self._check_same_model()
@@ -243,6 +250,27 @@ class PSClient:
         if shared:
             self.layout.use_push_buffer(shard, region.tensor)
         return shared
+
+    def _check_split_trust(self, one_house: bool) -> None:
+        """A LAMB tensor cut across shards (``max_shard_bytes``) takes its whole tensor's trust ratio in sync mode,
+        where its shards can sum it; refused where they cannot, warned about in async/ssp (a ratio per piece)."""
+        split = self.plan.split_tensors() if self.spec.cls is LAMB else []
+        if not split:
+            return
+        if not combines_trust(self.spec.cls, self.cfg.mode):
+            warnings.warn(
+                f"ivyplug PS: max_shard_bytes={self.cfg.max_shard_bytes} splits LAMB tensor(s) {split} across shards, "
+                f"and in mode={self.cfg.mode!r} each piece takes a trust ratio of its own (only sync steps combine "
+                "them into the whole tensor's); max_shard_bytes='auto' keeps LAMB's tensors whole outside sync",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        elif not one_house:
+            raise ValueError(
+                f"max_shard_bytes={self.cfg.max_shard_bytes} splits LAMB tensor(s) {split} across shards held by "
+                "several ivyplug serve processes, which cannot combine their trust ratios; use "
+                "max_shard_bytes='auto' or hold every shard in one service"
+            )
 
     @property
     def params(self) -> list[tuple[str, torch.Tensor]]:

@@ -103,7 +103,7 @@ def _shard(mode: str, lr: float = 0.1, momentum: float = 0.9) -> tuple[Shard, to
     init = torch.cat([w.detach().reshape(-1), b.detach(), torch.randn(3, generator=gen)])
     shard = Shard(0, plan, PSConfig(mode=mode, staleness_scaling="none"), 2, spec, init)
     hyper = torch.cat(
-        [torch.tensor([-1.0, 1.0, 0.0, *encode_mask([True, True])], dtype=torch.float64), spec.encode(opt)]
+        [torch.tensor([-1.0, 1.0, 0.0, 0.0, *encode_mask([True, True])], dtype=torch.float64), spec.encode(opt)]
     )
     return shard, init, hyper
 

@@ -42,7 +42,7 @@ def _job(
 
 
 def _hyper(spec: OptimizerSpec, opt: torch.optim.Optimizer, n: int, clip: float, num_params: int) -> torch.Tensor:
-    prefix = torch.tensor([clip, float(n), 0.0, *encode_mask([True] * num_params)], dtype=torch.float64)
+    prefix = torch.tensor([clip, float(n), 0.0, 0.0, *encode_mask([True] * num_params)], dtype=torch.float64)
     return torch.cat([prefix, spec.encode(opt)])
 
 
@@ -118,7 +118,9 @@ def _ssp_shard(num_workers: int = 2, mode: str = "ssp") -> tuple[Shard, torch.Te
     plan = build_plan([TensorSpec("p", (3,))], 1)
     cfg = PSConfig(mode=mode, staleness=0 if mode == "ssp" else None)
     shard = Shard(0, plan, cfg, num_workers, spec, torch.zeros(3))
-    hyper = torch.cat([torch.tensor([-1.0, 1.0, 0.0, *encode_mask([True])], dtype=torch.float64), spec.encode(opt)])
+    hyper = torch.cat(
+        [torch.tensor([-1.0, 1.0, 0.0, 0.0, *encode_mask([True])], dtype=torch.float64), spec.encode(opt)]
+    )
     return shard, torch.ones(3), hyper
 
 

@@ -124,7 +124,7 @@ def _hyper(spec: Any, opt: torch.optim.Optimizer, num_params: int = 1, flags: in
     """A push's hyper vector as PSClient.step builds it: every parameter has a gradient."""
     from ivyplug.ps.wire.push import HYPER_PREFIX, encode_mask
 
-    prefix = torch.tensor([-1.0, 1.0, float(flags), *encode_mask([True] * num_params)], dtype=torch.float64)
+    prefix = torch.tensor([-1.0, 1.0, float(flags), 0.0, *encode_mask([True] * num_params)], dtype=torch.float64)
     hyper = torch.cat([prefix, spec.encode(opt)])
     assert hyper.numel() == HYPER_PREFIX + len(encode_mask([True] * num_params)) + spec.num_values
     return hyper

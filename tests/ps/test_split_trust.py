@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from ivyplug.optim import LAMB
 from ivyplug.ps import PSConfig
 from ivyplug.ps.server.mirror import OptimizerSpec
-from ivyplug.ps.server.shard import Shard
+from ivyplug.ps.server.shard import Reply, Shard
 from ivyplug.ps.server.split_trust import combines_trust, holders
 from ivyplug.ps.sharding import TensorSpec, build_plan
 from ivyplug.ps.wire.push import encode_mask
@@ -36,30 +37,36 @@ def _params(gen: torch.Generator) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _job(gen: torch.Generator, max_shard_bytes: int = 64) -> tuple[list[Shard], FlatLayout, list[torch.Tensor]]:
+def _job(
+    gen: torch.Generator, mode: str = "sync", workers: int = 2, max_shard_bytes: int = 64
+) -> tuple[list[Shard], FlatLayout, list[torch.Tensor]]:
     named = _params(gen)
     opt = _lamb([p for _, p in named])
     spec = OptimizerSpec.from_optimizer(opt, [p for _, p in named])
     plan = build_plan([TensorSpec(n, tuple(p.shape)) for n, p in named], 2, max_shard_bytes)
     layout = FlatLayout(plan, named, [])
     full = layout.flat_local()
-    cfg = PSConfig(mode="sync", max_shard_bytes=max_shard_bytes)
-    shards = [Shard(s, plan, cfg, 2, spec, layout.shard_values(full, s)) for s in range(2)]
+    cfg = PSConfig(mode=mode, max_shard_bytes=max_shard_bytes)
+    shards = [Shard(s, plan, cfg, workers, spec, layout.shard_values(full, s)) for s in range(2)]
     for sh in shards:  # the exchange goes shard to shard, here in-process
         sh.connect_peers({other.shard: other for other in shards})
     return shards, layout, [p for _, p in named]
 
 
-def _hyper(shard: Shard, num_samples: int, has_grad: list[bool], clip: float, opt: LAMB) -> torch.Tensor:
-    prefix = torch.tensor([clip, float(num_samples), 0.0, *encode_mask(has_grad)], dtype=torch.float64)
+def _hyper(
+    shard: Shard, num_samples: int, has_grad: list[bool], clip: float, opt: LAMB, number: int = 0
+) -> torch.Tensor:
+    prefix = torch.tensor([clip, float(num_samples), 0.0, float(number), *encode_mask(has_grad)], dtype=torch.float64)
     return torch.cat([prefix, shard.spec.encode(opt)])
 
 
-def _run(clip: float, steps: int = 4) -> tuple[list[torch.Tensor], list[np.ndarray], list[np.ndarray]]:
-    """Two workers' sync steps on two shards; returns the shards' tensors, a float64 LAMB of the whole tensors on the
-    sample-weighted mean gradient, and the same LAMB with every piece a tensor of its own (a ratio per piece)."""
+def _run(mode: str, clip: float, steps: int = 4) -> tuple[list[torch.Tensor], list[np.ndarray], list[np.ndarray]]:
+    """Two workers' sync steps (async: one worker's pushes) on two shards, shard 1 first; returns the shards' tensors,
+    a float64 LAMB of the whole tensors on the sample-weighted mean gradient, and the same LAMB with every piece a
+    tensor of its own (a ratio per piece)."""
     gen = torch.Generator().manual_seed(11)
-    shards, layout, params = _job(gen)
+    samples = [3, 5] if mode == "sync" else [4]
+    shards, layout, params = _job(gen, mode, len(samples))
     plan = shards[0].plan
     assert {plan.specs[t].name for t in holders(plan)} >= {"w", "zeros", "unused"}
     assert all(sh.split is not None and sh.split.peers == [1 - sh.shard] for sh in shards)
@@ -76,8 +83,7 @@ def _run(clip: float, steps: int = 4) -> tuple[list[torch.Tensor], list[np.ndarr
     of_stepped = [k for k, (t, _) in enumerate((t, c) for t in range(len(params)) for c in cuts[t]) if has_grad[t]]
     per_piece = RefLamb(blocks, [RefGroup(of_stepped, lr=LR, weight_decay=WEIGHT_DECAY)],
                         max_grad_norm=clip if clip >= 0 else None)  # fmt: skip
-    samples = [3, 5]
-    for _ in range(steps):
+    for step in range(steps):
         # a worker pushes zeros where it has no gradient (FlatLayout.pack)
         grads = [[torch.randn(p.shape, generator=gen) * has for p, has in zip(params, has_grad, strict=True)]
                  for _ in samples]  # fmt: skip
@@ -86,9 +92,12 @@ def _run(clip: float, steps: int = 4) -> tuple[list[torch.Tensor], list[np.ndarr
             for p, g in zip(params, grads[w], strict=True):
                 p.grad = g
             pushes.append(
-                [(sh, layout.pack(sh.shard, 1.0).clone(), _hyper(sh, n, has_grad, clip, opt)) for sh in shards]
+                [
+                    (sh, layout.pack(sh.shard, 1.0).clone(), _hyper(sh, n, has_grad, clip, opt, 100 + step))
+                    for sh in shards
+                ]
             )
-        replies = [sh.push_pull(w, data, hyper) for w, push in enumerate(pushes) for sh, data, hyper in push]
+        replies = [sh.push_pull(w, data, hyper) for w, push in enumerate(pushes) for sh, data, hyper in reversed(push)]
         for reply in replies:
             reply.result(1.0).release()
         mean = [np.sum([n * grads[w][t].double().numpy() for w, n in enumerate(samples)], axis=0) / sum(samples)
@@ -109,11 +118,11 @@ def _run(clip: float, steps: int = 4) -> tuple[list[torch.Tensor], list[np.ndarr
     return got, whole.params, glued
 
 
-@pytest.mark.parametrize("clip", [-1.0, 0.5])
-def test_split_lamb_tensors_step_with_the_whole_tensors_ratio(clip: float) -> None:
-    """Against a float64 LAMB over whole tensors, with and without global clipping (both exchanges), a zero tensor
-    (ratio 1 on every piece) and a split tensor no worker has a gradient for (left alone)."""
-    got, whole, per_piece = _run(clip)
+@pytest.mark.parametrize(("mode", "clip"), [("sync", -1.0), ("sync", 0.5), ("async", -1.0)])
+def test_split_lamb_tensors_step_with_the_whole_tensors_ratio(mode: str, clip: float) -> None:
+    """Against a float64 LAMB over whole tensors, with and without sync's global clipping (both exchanges), a zero
+    tensor (ratio 1 on every piece) and a split tensor no worker has a gradient for (left alone)."""
+    got, whole, per_piece = _run(mode, clip)
     for t, (g, want) in enumerate(zip(got, whole, strict=True)):
         torch.testing.assert_close(g.double(), torch.from_numpy(want), rtol=2e-5, atol=2e-6, msg=f"tensor {t}")
     assert torch.equal(got[2], _params(torch.Generator().manual_seed(11))[2][1].detach())  # "unused": untouched
@@ -142,7 +151,36 @@ def test_a_split_step_waits_for_the_other_shards_sums_and_says_so() -> None:
         assert reply.result(1.0).version == 1
 
 
-def test_only_lamb_in_sync_combines() -> None:
-    assert combines_trust(LAMB, "sync")
-    assert not combines_trust(LAMB, "async") and not combines_trust(LAMB, "ssp")
-    assert not combines_trust(torch.optim.AdamW, "sync")
+def test_only_lamb_combines() -> None:
+    assert combines_trust(LAMB)
+    assert not combines_trust(torch.optim.AdamW)
+
+
+def test_async_pushes_in_other_orders_on_each_shard_all_finish_and_each_reply_waits_for_its_own_sums() -> None:
+    """Worker 0 pushes to shard 0 and worker 1 to shard 1 first: each reply waits for the other shard's half of that
+    push (never for another worker's), and nothing deadlocks whatever the order."""
+    gen = torch.Generator().manual_seed(5)
+    shards, layout, params = _job(gen, "async", workers=2)
+    opt = _lamb(params)
+    has_grad = [True] * len(params)
+
+    def push(w: int, s: int, number: int) -> Future[Reply]:
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        return shards[s].push_pull(w, layout.pack(s, 1.0).clone(), _hyper(shards[s], 4, has_grad, -1.0, opt, number))
+
+    first = [push(0, 0, 7), push(1, 1, 9)]
+    for reply in first:
+        with pytest.raises(FutureTimeout):
+            reply.result(0.05)
+    assert shards[0].split is not None and shards[0].split.waits(0) and not shards[0].split.waits(1)
+    second = [push(1, 0, 9)]
+    second[0].result(1.0).release()  # worker 1's push is complete on shard 0: both halves' sums are in
+    with pytest.raises(FutureTimeout):
+        first[0].result(0.05)
+    second.append(push(0, 1, 7))
+    for reply in [*first, second[1]]:
+        reply.result(1.0).release()
+    for sh in shards:
+        assert sh.split is not None and not sh.split.waits(0) and not sh.split.waits(1)
+        assert all(bool(torch.isfinite(m).all()) for m in sh.masters)

@@ -529,7 +529,7 @@ class ServerLoop(threading.Thread):
 
     def _on_trust_sums(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
         assert hyper is not None
-        self._shard_for(h).trust_sums(h.arg0, h.arg1, hyper.tolist())
+        self._shard_for(h).trust_sums((h.arg2, h.arg0), h.arg1, hyper.tolist())
 
     def _on_state_size(self, h: Header, data: torch.Tensor | None, hyper: torch.Tensor | None) -> None:
         self._state_blob = self._shard_for(h).state()

@@ -29,7 +29,10 @@ class WirePeer:
         h = Header(kind=Kind.NORM, sender=self.channel.rank, shard=self.shard, arg0=step, arg1=shard)
         self.channel.send(self.shard, h, None, torch.tensor([sq], dtype=torch.float64), wait=False)
 
-    def trust_sums(self, step: int, shard: int, values: list[float]) -> None:
-        """Tell this peer ``shard``'s sums of squares of its split LAMB pieces at sync step ``step`` (does not wait)."""
-        h = Header(kind=Kind.TRUST_SUMS, sender=self.channel.rank, shard=self.shard, arg0=step, arg1=shard)
+    def trust_sums(self, key: tuple[int, int], shard: int, values: list[float]) -> None:
+        """Tell this peer ``shard``'s sums of squares of its split LAMB pieces for update ``key`` (does not wait)."""
+        worker, number = key
+        h = Header(
+            kind=Kind.TRUST_SUMS, sender=self.channel.rank, shard=self.shard, arg0=number, arg1=shard, arg2=worker
+        )
         self.channel.send(self.shard, h, None, torch.tensor(values, dtype=torch.float64), wait=False)

@@ -47,7 +47,7 @@ from ivyplug.ps.config import PSConfig
 from ivyplug.ps.server.lent_state import LentState, Loan
 from ivyplug.ps.server.mirror import OptimizerSpec
 from ivyplug.ps.server.mode_policy import policy_for
-from ivyplug.ps.server.split_trust import SplitTrust, combines_trust
+from ivyplug.ps.server.split_trust import Key, SplitTrust, combines_trust
 from ivyplug.ps.sharding import Piece, ShardPlan
 from ivyplug.ps.wire import typed_state
 from ivyplug.ps.wire.codecs import Bf16Codec, BlockCodec
@@ -115,11 +115,11 @@ class PushRefused(PSProtocolError):
 
 
 class NormPeer(Protocol):
-    """What a shard needs of another shard for the sync-mode exchanges (clipping norms, split LAMB tensors)."""
+    """What a shard needs of another shard: sync clipping's norms, and split LAMB tensors' sums (split_trust.py)."""
 
     def norm(self, step: int, shard: int, sq: float) -> None: ...
 
-    def trust_sums(self, step: int, shard: int, values: list[float]) -> None: ...
+    def trust_sums(self, key: Key, shard: int, values: list[float]) -> None: ...
 
 
 _SyncPush = tuple[float, torch.Tensor | None, torch.Tensor | None, torch.Tensor, list[bool]]
@@ -162,9 +162,9 @@ class Shard:
             self.piece_group.append(g)
             by_group.setdefault(g, []).append(m)
         self.optimizer, self.groups = spec.build(by_group)
-        #: pieces of LAMB tensors cut across shards (sync): stepped in two halves around their sums (split_trust.py)
+        #: pieces of LAMB tensors cut across shards: stepped in two halves around their sums (split_trust.py)
         self.split: SplitTrust | None = None
-        if combines_trust(spec.cls, cfg.mode) and self.optimizer is not None:
+        if combines_trust(spec.cls) and self.optimizer is not None:
             split = SplitTrust(shard, plan, self.optimizer, self.masters, self.param_pieces, self.piece_group)
             self.split = split if split.positions else None
         self.buffers = self.flat.data[self.n_param :]
@@ -200,7 +200,7 @@ class Shard:
         self._ready: list[tuple[Future[Reply], Reply]] = []
         self._failed: list[Future[Reply]] = []
         self._norms_out: list[tuple[int, float]] = []
-        self._sums_out: list[tuple[int, list[float]]] = []  # split LAMB tensors' sums to send (split_trust.py)
+        self._sums_out: list[tuple[Key, list[float]]] = []  # split LAMB tensors' sums to send (split_trust.py)
         #: a sync step whose split LAMB pieces wait for the other shards' sums: (grads, buffers, has_grad)
         self._split_step: tuple[torch.Tensor, torch.Tensor, list[bool]] | None = None
         self._lost: dict[int, str] = {}  # worker -> why (sync: a step cannot complete without it)
@@ -269,6 +269,8 @@ class Shard:
             self.seen[worker] = self.version
             self.live[worker] = False
             self._sync_pushes.pop(worker, None)
+            if self.split is not None:  # a push of its last life that never reached every shard cannot finish
+                self.split.forget(worker)
 
     def _abort_step(self, why: str) -> None:
         """Fail the sync step in progress (lock held): its parked replies get ``why``, clocks restart."""
@@ -304,13 +306,13 @@ class Shard:
                 self._fail_locked(exc)
         self._flush()
 
-    def trust_sums(self, step: int, shard: int, values: list[float]) -> None:
-        """Another shard's sums of squares of its pieces of split LAMB tensors at sync step ``step``."""
+    def trust_sums(self, key: Key, shard: int, values: list[float]) -> None:
+        """Another shard's sums of squares of its pieces of split LAMB tensors for update ``key`` (split_trust.py)."""
         with self._lock:
             try:
                 if self.split is None:
                     raise PSProtocolError(f"shard {self.shard} holds no split LAMB tensor, but shard {shard} sent sums")
-                self.split.note_values(step, shard, values)
+                self.split.note_values(key, shard, values)
                 self._try_finish_split()
             except BaseException as exc:
                 self._fail_locked(exc)
@@ -347,10 +349,10 @@ class Shard:
         for step, sq in norms:
             for peer in self._peers.values():
                 peer.norm(step, self.shard, sq)
-        for step, values in sums:
+        for key, values in sums:
             assert self.split is not None
             for s in self.split.peers:
-                self._peers[s].trust_sums(step, self.shard, values)
+                self._peers[s].trust_sums(key, self.shard, values)
         for fut, reply in ready:
             if not fut.done():
                 fut.set_result(reply)
@@ -445,8 +447,12 @@ class Shard:
         if not skipped:
             self._apply_hyper(hyper)
             scale = staleness_factor(tau, bool(int(hyper[2]) & PushFlag.DELTA), self.cfg.staleness_scaling)
-            self._step(grads, self._has_grad(hyper), lr_scale=scale)
+            has_grad = self._has_grad(hyper)
+            if self._begin_split((worker, int(hyper[3])), grads, has_grad, scale):  # its reply waits for the rest
+                has_grad = self._unsplit(has_grad)
+            self._step(grads, has_grad, lr_scale=scale)
             self._merge_buffers_async(bufs)
+            self._try_finish_split()  # tensors split only among this shard's own pieces
         self.clock[worker] += 1  # push_pull releases the replies this allows, this push's own included
         return tau
 
@@ -540,25 +546,43 @@ class Shard:
             del self._norms[self.version]
         self._sync_combined = None
         self._apply_hyper(hyper)
-        if self.split is not None:
-            sums = self.split.begin(self.version, grads, has_grad)
-            if sums is not None:
-                self._split_step = (grads, bufs, has_grad)
-                self._sums_out.append((self.version, sums))
-                self._try_finish_split()
-                return
+        if self._begin_split((-1, self.version), grads, has_grad):
+            self._split_step = (grads, bufs, has_grad)
+            self._try_finish_split()
+            return
         self._finish_sync(grads, bufs, has_grad)
 
+    def _begin_split(self, key: Key, grads: torch.Tensor, has_grad: list[bool], lr_scale: float = 1.0) -> bool:
+        """First half of update ``key`` of the split LAMB pieces (its sums go to the peers); whether one began."""
+        if self.split is None:
+            return False
+        sums = self.split.begin(key, grads, has_grad, lr_scale)
+        if sums is None:
+            return False
+        self._sums_out.append((key, sums))
+        return True
+
+    def _unsplit(self, has_grad: list[bool]) -> list[bool]:
+        """``has_grad`` without the split LAMB tensors (the optimizer's step leaves them to split_trust.py)."""
+        split = set(self.split.tensors) if self.split is not None else set()
+        return [has and t not in split for t, has in enumerate(has_grad)]
+
     def _try_finish_split(self) -> None:
-        """Finish the sync step whose split LAMB pieces waited, once every other piece's sums are in."""
-        if self._split_step is None or self.split is None or self.split.missing():
+        """Second halves of the updates of split LAMB pieces whose every sum is in; releases the replies they held."""
+        if self.split is None:
             return
-        grads, bufs, has_grad = self._split_step
-        self._split_step = None
+        ready = self.split.ready()
+        if not ready:
+            return
         self._writable()
-        self.split.finish()
-        split = set(self.split.tensors)
-        self._finish_sync(grads, bufs, [has and t not in split for t, has in enumerate(has_grad)])
+        for key in ready:
+            self.split.finish(key)
+        if self._split_step is not None and (-1, self.version) in ready:  # sync: the rest of the step
+            grads, bufs, has_grad = self._split_step
+            self._split_step = None
+            self._finish_sync(grads, bufs, self._unsplit(has_grad))
+        else:
+            self._release()
 
     def _finish_sync(self, grads: torch.Tensor, bufs: torch.Tensor, has_grad: list[bool]) -> None:
         self._step(grads, has_grad)
@@ -573,8 +597,9 @@ class Shard:
         return min(live) if live else max(self.clock)
 
     def _is_ready(self, worker: int) -> bool:
-        """Whether ``worker``'s reply after its push may go out now (the consistency mode's rule)."""
-        return self.policy.is_ready(self, worker)
+        """Whether ``worker``'s reply after its push may go out now (the consistency mode's rule, once the split
+        LAMB pieces of its push stepped)."""
+        return self.policy.is_ready(self, worker) and not (self.split is not None and self.split.waits(worker))
 
     def _snapshot(self, worker: int, staleness: int) -> Reply:
         """The state (params then buffers, flat fp32) lent to the reply; marks what ``worker`` has seen."""
@@ -614,7 +639,8 @@ class Shard:
         """Sync: what the step in progress waits for (pushes, or the other shards' gradient norms or sums)."""
         if self._split_step is not None and self.split is not None:
             return (
-                f"the trust-ratio sums of step {self.version}'s split LAMB tensors from shard(s) {self.split.missing()}"
+                f"the trust-ratio sums of step {self.version}'s split LAMB tensors from shard(s) "
+                f"{self.split.missing((-1, self.version))}"
             )
         missing = sorted(set(range(self.num_workers)) - set(self._sync_pushes))
         if self._sync_combined is None:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, fields
 import torch
 
 MAGIC = 0x1B5F_5053  # "ivy PS"
-WIRE_VERSION = 4  # 2: payloads may travel cut into segments (Flag.SPLIT); 3: or in shared memory (Flag.SHM);
-#                  4: pushes may travel block-quantized (Flag.INT8, Flag.INT4), pulls as differences (Flag.DIFF)
+WIRE_VERSION = 5  # 2: payloads may travel cut into segments (Flag.SPLIT); 3: or in shared memory (Flag.SHM);
+#                  4: pushes may travel block-quantized (Flag.INT8, Flag.INT4), pulls as differences (Flag.DIFF);
+#                  5: a push's hyperparameters carry its number; shards exchange split LAMB tensors' sums
 HEADER_LEN = 16
 
 # tags on the PS point-to-point group
@@ -56,8 +57,9 @@ class Kind:
     PUSH_DATA = 15  # the data of a push (gradients + buffers) ahead of its PUSH_PULL, which then carries no
     #                 data: sent from backward's gradient hooks (worker/early_push.py); no reply, nothing applied yet
     REPLY = 16
-    TRUST_SUMS = 18  # server to server: a sync step's sums of squares of the pieces of split LAMB tensors a shard
-    #                  holds (hyper payload = [tensor, sum x², sum u², ...]; server/split_trust.py)
+    TRUST_SUMS = 18  # server to server: an update's sums of squares of the pieces of split LAMB tensors a shard holds
+    #                  (hyper payload = [tensor, sum x², sum u², ...]; arg0/arg2 = the update's key: push number and
+    #                  worker, or sync version and -1; server/split_trust.py)
     SHM_ATTACH = 17  # map the sender's shared-memory region for this shard (shared_region.py): payload = its
     #                  path (bytes in fp32 words, arg0 = length), arg1/arg2 = its nonce; reply arg0 = 1 if mapped
 

@@ -1,8 +1,10 @@
 """What a worker's push carries besides its gradients: the fp64 "hyper" vector and its parts.
 
-Layout: ``[max_grad_norm or -1, num_samples, push flags, *has-gradient mask words, *optimizer values]``.
-The mask has one bit per parameter of the plan (whether the worker had a gradient for it), packed
-:data:`MASK_BITS` to an fp64 word (exact integers). The optimizer values are the live hyperparameters of
+Layout: ``[max_grad_norm or -1, num_samples, push flags, push number, *has-gradient mask words, *optimizer values]``.
+The push number names the push on every shard (shards holding pieces of a split LAMB tensor match their
+sums by it, server/split_trust.py): distinct across a worker's pushes and its restarts. The mask has one bit
+per parameter of the plan (whether the worker had a gradient for it), packed :data:`MASK_BITS` to an fp64
+word (exact integers). The optimizer values are the live hyperparameters of
 the worker's optimizer (server/mirror.py). Nothing here is pickled: every value is a number.
 """
 
@@ -13,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-#: entries before the mask: [max_grad_norm or -1, num_samples, push flags]
-HYPER_PREFIX = 3
+#: entries before the mask: [max_grad_norm or -1, num_samples, push flags, push number]
+HYPER_PREFIX = 4
 
 #: bits of a push's has-gradient mask per fp64 word (exact: well below 53)
 MASK_BITS = 32

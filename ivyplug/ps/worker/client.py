@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ivyplug.optim.optimizer import LAMB
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.server.batch_queue import WAIT, check_count, check_epoch
 from ivyplug.ps.server.endpoints import PendingReply, PSServerError, WireEndpoint, WireReply, WireStats
@@ -118,6 +117,9 @@ class PSClient:
         self.early: EarlyPush | None = None
         self._scales_pushes = False  # async/ssp clipping rescales every push at the step: nothing to send early
         self._shm_failed = False  # a shared-memory region could not be made: warned once, every shard on gloo
+        # the number of the last push (wire/push.py): from the start time in µs, so that a restarted worker's
+        # numbers never meet those of its last life (exact in fp64 for centuries)
+        self._push_number = time.time_ns() // 1000
         # held around every use of the shard endpoints (a step, a pull, sync, checkpoints, close): an optimizer
         # with overlapped exchanges steps from a thread of its own while the training thread asks for batches
         self._lock = threading.RLock()
@@ -174,9 +176,9 @@ class PSClient:
         num_shards = link.num_shards if link is not None else (cfg.num_servers if cfg.num_servers > 0 else world_size)
         if cfg.max_shard_bytes == "auto":  # resolved here, so dedicated servers receive a plain number
             # LAMB's split tensors take their whole tensor's trust ratio where the shards can sum it (one process
-            # group or one service among them: sync steps, server/split_trust.py)
+            # group or one service among them, server/split_trust.py)
             one_house = link is None or len(link.services) <= 1
-            splits = is_elementwise(self.spec.cls) or (one_house and combines_trust(self.spec.cls, cfg.mode))
+            splits = is_elementwise(self.spec.cls) or (one_house and combines_trust(self.spec.cls))
             cfg = replace(cfg, max_shard_bytes=auto_max_shard_bytes(specs, num_shards, splits))
             self.cfg = cfg
         self.plan = build_plan(specs, num_shards, cfg.max_shard_bytes)
@@ -252,20 +254,10 @@ class PSClient:
         return shared
 
     def _check_split_trust(self, one_house: bool) -> None:
-        """A LAMB tensor cut across shards (``max_shard_bytes``) takes its whole tensor's trust ratio in sync mode,
-        where its shards can sum it; refused where they cannot, warned about in async/ssp (a ratio per piece)."""
-        split = self.plan.split_tensors() if self.spec.cls is LAMB else []
-        if not split:
-            return
-        if not combines_trust(self.spec.cls, self.cfg.mode):
-            warnings.warn(
-                f"ivyplug PS: max_shard_bytes={self.cfg.max_shard_bytes} splits LAMB tensor(s) {split} across shards, "
-                f"and in mode={self.cfg.mode!r} each piece takes a trust ratio of its own (only sync steps combine "
-                "them into the whole tensor's); max_shard_bytes='auto' keeps LAMB's tensors whole outside sync",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        elif not one_house:
+        """A LAMB tensor cut across shards (``max_shard_bytes``) takes its whole tensor's trust ratio, which the
+        shards sum among themselves: refused where they cannot reach each other (several ivyplug serve processes)."""
+        split = self.plan.split_tensors() if combines_trust(self.spec.cls) else []
+        if split and not one_house:
             raise ValueError(
                 f"max_shard_bytes={self.cfg.max_shard_bytes} splits LAMB tensor(s) {split} across shards held by "
                 "several ivyplug serve processes, which cannot combine their trust ratios; use "
@@ -454,7 +446,10 @@ class PSClient:
         }
         flags = self._check_push(packed) | (PushFlag.DELTA if delta else 0)
         has_grad = encode_mask([p.grad is not None for _, p in self.params])
-        prefix = torch.tensor([sync_clip, float(num_samples), float(flags), *has_grad], dtype=torch.float64)
+        self._push_number += 1
+        prefix = torch.tensor(
+            [sync_clip, float(num_samples), float(flags), float(self._push_number), *has_grad], dtype=torch.float64
+        )
         self._warn_unmirrored()
         hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
         with self._servers_named():

@@ -131,7 +131,7 @@ def test_auto_limit_bounds_every_plan_by_one_eighth_over_ideal() -> None:
     for _ in range(200):
         specs = random_model(rng, rng.randrange(1, 30))
         m = rng.randrange(2, 9)
-        limit = auto_max_shard_bytes(specs, m, elementwise=True)
+        limit = auto_max_shard_bytes(specs, m, splits=True)
         plan = build_plan(specs, m, limit)
         total = sum(s.numel for s in specs) * MASTER_ITEMSIZE
         ideal = total / m
@@ -149,10 +149,10 @@ def test_auto_limit_bounds_every_plan_by_one_eighth_over_ideal() -> None:
 
 def test_auto_limit_keeps_whole_tensors_when_splitting_would_change_the_update() -> None:
     specs = [TensorSpec("w", (1024, 1024)), TensorSpec("b", (1024,)), TensorSpec("v", (10, 1024))]
-    assert auto_max_shard_bytes(specs, 2, elementwise=False) is None  # LAMB: trust ratio per tensor
-    assert auto_max_shard_bytes(specs, 1, elementwise=True) is None  # one shard: nothing to balance
-    assert auto_max_shard_bytes([TensorSpec(f"t{i}", (4,)) for i in range(32)], 2, elementwise=True) is None
-    limit = auto_max_shard_bytes(specs, 2, elementwise=True)
+    assert auto_max_shard_bytes(specs, 2, splits=False) is None  # an optimizer whose update a split would change
+    assert auto_max_shard_bytes(specs, 1, splits=True) is None  # one shard: nothing to balance
+    assert auto_max_shard_bytes([TensorSpec(f"t{i}", (4,)) for i in range(32)], 2, splits=True) is None
+    limit = auto_max_shard_bytes(specs, 2, splits=True)
     total = (1024 * 1024 + 1024 + 10 * 1024) * MASTER_ITEMSIZE
     assert limit == -(-total // 16)
     plan = build_plan(specs, 2, limit)

@@ -93,14 +93,18 @@ class ServerLoop(threading.Thread):
         workers: set[int] | None = None,
         member: int | None = None,
         traffic: Traffic | None = None,
+        lower: bool = True,
     ) -> None:
         """``coordinator``: the batch queue (if this rank holds it), the stop flag and the rendezvous (an
         ``ivyplug serve``'s) that the loop serves next to its shards. ``expect_bye``: ranks whose BYE ends the loop;
         ``workers``: the ranks whose BYE also idles them on the shards (co-located: every other worker).
         ``member``: the loop serves one worker over a two-rank group (``ivyplug serve``): every request is that
         worker slot's, received from rank 1, and a request that breaks the protocol ends this member only, never
-        a shard."""
-        super().__init__(name=f"ivyplug-ps-server-{channel.rank}", daemon=True)
+        a shard. ``lower``: the loop takes requests from the ranks below this one (else above it): a channel with a
+        reverse group (wire/transport.py) receives from each side on its own group, so each side has a loop of its
+        own (``expect_bye`` and ``workers`` name the ranks of that side)."""
+        super().__init__(name=f"ivyplug-ps-server-{channel.rank}{'' if lower else '-up'}", daemon=True)
+        self.lower = lower
         self.channel = channel
         if isinstance(shards, Shard):
             shards = {shards.shard: shards}
@@ -222,7 +226,7 @@ class ServerLoop(threading.Thread):
             try:
                 # once dropped, a member silent for the timeout after a request ends the loop
                 wait = self.channel.timeout if self.dropped is not None else None
-                header = self.channel.recv_request_header(peer, wait)
+                header = self.channel.recv_request_header(peer, wait, self.lower)
                 if self.member is not None:
                     header.sender = 1  # the pair's other rank, whatever its header says
                     refusal = self._check_sizes(header)

@@ -787,13 +787,16 @@ class PSClient:
                 channel.send(r, Header(kind=Kind.BYE, sender=self.rank), wait=True)
             for other in topo.others:
                 other.channel.send(0, Header(kind=Kind.BYE, sender=self.rank), wait=True)
-            if topo.loop is not None:
-                topo.loop.join(self.cfg.timeout)
-                if topo.loop.is_alive():
-                    raise PSTimeoutError(
-                        f"timed out after {self.cfg.timeout:g} s on rank {self.rank} waiting for the other ranks to "
-                        f"close the PS ({topo.loop.byes} of {len(topo.loop.expect_bye)} said goodbye)"
-                    )
+            deadline = time.monotonic() + self.cfg.timeout
+            for loop in topo.loops:
+                loop.join(max(0.1, deadline - time.monotonic()))
+            if any(loop.is_alive() for loop in topo.loops):
+                byes = sum(loop.byes for loop in topo.loops)
+                expected = sum(len(loop.expect_bye) for loop in topo.loops)
+                raise PSTimeoutError(
+                    f"timed out after {self.cfg.timeout:g} s on rank {self.rank} waiting for the other ranks to "
+                    f"close the PS ({byes} of {expected} said goodbye)"
+                )
             channel.flush(replies=True)
             if not isinstance(self.workers, MemberGroup):
                 self.workers.barrier("every rank to close the PS")
@@ -818,10 +821,11 @@ class PSClient:
         if err is not None:
             raise err
         if topo.owns_p2p_group:
-            dist.destroy_process_group(topo.p2p_group)
+            for group in topo.p2p_groups:
+                dist.destroy_process_group(group)
         self.workers.close()
         if self._launch_group is not None:
             self._launch_group.close()
-        topo.p2p_group = None
+        topo.p2p_groups = []
         topo.channel = None
         topo.store = None

@@ -65,8 +65,8 @@ class Topology:
     endpoints: dict[int, ShardEndpoint]
     local: Shard | None = None  # the shard this process serves (co-located)
     channel: Channel | None = None
-    p2p_group: Any = None
-    loop: ServerLoop | None = None
+    p2p_groups: list[Any] = field(default_factory=list)  # the channel's groups
+    loops: list[ServerLoop] = field(default_factory=list)  # this process's server loops (co-located: one per side)
     queue: BatchQueue | None = None  # rank 0's batch queue (async/ssp dispatch)
     queue_endpoint: WireEndpoint | None = None  # how other ranks reach it
     server_procs: list[Any] = field(default_factory=list)
@@ -82,9 +82,9 @@ def colocated(job: WorkerJob) -> Topology:
     rank, world_size = job.rank, job.world_size
     channel = None
     if world_size > 1:
-        with gloo_net.interface_for(os.environ.get("MASTER_ADDR")):
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout))
-        channel = Channel(group, rank, cfg.timeout)
+        with gloo_net.interface_for(os.environ.get("MASTER_ADDR")):  # one group per direction (wire/transport.py)
+            up, down = (dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout)) for _ in range(2))
+        channel = Channel(up, rank, cfg.timeout, reverse=down)
     full = layout.flat_local()
     workers.broadcast(full, "rank 0's parameters")
     local = Shard(rank, plan, cfg, world_size, job.spec, layout.shard_values(full, rank))
@@ -100,13 +100,18 @@ def colocated(job: WorkerJob) -> Topology:
     # the sync-mode norm exchange: shard to shard, through the server side (server/peers.py)
     if channel is not None:
         local.connect_peers({s: WirePeer(channel, s) for s in endpoints if s != rank})
-    topo = Topology(endpoints, local=local, channel=channel, p2p_group=channel.group if channel else None)
+    groups = [channel.group, channel.reverse] if channel is not None else []
+    topo = Topology(endpoints, local=local, channel=channel, p2p_groups=groups)
     topo.queue = BatchQueue(world_size) if rank == 0 else None
     if channel is not None:
         others = set(range(world_size)) - {rank}
         coordinator = Coordinator(topo.queue, job.stop)
-        topo.loop = ServerLoop(channel, local, coordinator, others, workers=others)
-        topo.loop.start()
+        for lower in (True, False):  # requests from the ranks below and above arrive on different groups
+            side = {r for r in others if (r < rank) == lower}
+            if side:
+                topo.loops.append(ServerLoop(channel, local, coordinator, side, workers=side, lower=lower))
+        for loop in topo.loops:
+            loop.start()
         topo.loop_ranks = sorted(others)
         if rank != 0:
             topo.queue_endpoint = WireEndpoint(channel, 0, -1, 0, stats)
@@ -186,7 +191,7 @@ def external(job: WorkerJob, link: ServiceLink) -> Topology:
         s: WireEndpoint(holder[s].channel, 0, s, plan.shard_numel(s), stats) for s in plan.nonempty_shards()
     }
     topo = Topology(
-        endpoints, channel=link.channel, p2p_group=link.group, store=link.store, link=link, owns_p2p_group=False
+        endpoints, channel=link.channel, p2p_groups=[link.group], store=link.store, link=link, owns_p2p_group=False
     )
     topo.others = others
     topo.loop_ranks = [0]

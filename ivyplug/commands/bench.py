@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "averaging": "ivyplug.benchmarks.averaging",
     "averaging_hosts": "ivyplug.benchmarks.averaging_hosts",
     "hosts": "ivyplug.benchmarks.hosts",
+    "gloo_pairs": "ivyplug.benchmarks.gloo_pairs",
 }
 
 

@@ -1,8 +1,9 @@
 """One node of a two-node Lightning job on the digits MLP, started by torchrun on each emulated host.
 
 ``torchrun --nnodes 2 --node-rank I ... lightning_job.py OUT_DIR --strategy ddp|ivy_ps_sync|ivy_ps_async``
-trains 2 epochs (SGD with momentum, gradient clipping 0.5) and writes each rank's parameters to
-``OUT_DIR/rank{r}.pt`` (its initial ones to ``init{r}.pt``); it prints ``rank R batch N`` after every batch,
+trains 2 epochs (SGD with momentum, or ``--optimizer lamb``; gradient clipping 0.5) and writes each rank's
+parameters to ``OUT_DIR/rank{r}.pt`` (its initial ones to ``init{r}.pt``, the tensors the PS split across its
+shards to ``split{r}.txt``); it prints ``rank R batch N`` after every batch,
 and ``--sleep`` slows every batch by that many seconds. ``--nodes 1 --servers HOST:PORT``: one worker of an
 ``ivyplug serve``, started on its own; an error that ends ``fit`` is printed as ``error after S s: ...`` (exit 3).
 """
@@ -29,6 +30,7 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=2, help="1: a single worker, started without torchrun")
     ap.add_argument("--servers", default=None, help="host:port of an ivyplug serve (token: $IVYPLUG_TOKEN)")
     ap.add_argument("--num-servers", type=int, default=0, help="dedicated server processes started by rank 0")
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "lamb"))
     args = ap.parse_args()
     import torch
     from ivyplug.integrations.lightning import IvyPSStrategy
@@ -40,13 +42,18 @@ def main() -> int:
     torch.set_num_threads(1)
 
     class Progress(Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            client = getattr(trainer.strategy, "client", None)
+            if client is not None:
+                Path(args.out, f"split{trainer.global_rank}.txt").write_text(" ".join(client.plan.split_tensors()))
+
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             print(f"rank {trainer.global_rank} batch {batch_idx}", flush=True)
             if args.sleep:
                 time.sleep(args.sleep)
 
     seed_everything(0)
-    model = DigitsMLP(hidden=64, lr=0.1, optimizer="sgd", batch_size=32)
+    model = DigitsMLP(hidden=64, lr=0.1 if args.optimizer == "sgd" else 0.01, optimizer=args.optimizer, batch_size=32)
     rank = int(os.environ.get("RANK", "0"))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, Path(args.out) / f"init{rank}.pt")
     strategy: Any = args.strategy

@@ -38,12 +38,16 @@ def _two_node_job(
 
 
 def test_ivy_ps_sync_across_two_hosts_equals_ddp(emulated_hosts: Any, tmp_path: Path) -> None:
+    """With LAMB: across hosts in sync mode its large tensors are split over both hosts' shards, whose exchange of
+    trust-ratio sums then crosses the link too (ps/server/split_trust.py)."""
     hosts = emulated_hosts(2, hostname_maps_to="loopback")
     # the PS job without GLOO_SOCKET_IFNAME (its groups bind by the route); DDP, torch's own, needs it here.
     # Side by side: their start-up dominates.
     before = hosts.link_bytes(1)
-    ps = _two_node_job(hosts, tmp_path / "ps", "ivy_ps_sync", {})
-    ddp = _two_node_job(hosts, tmp_path / "ddp", "ddp", {"GLOO_SOCKET_IFNAME": "eth0"}, port=29502)
+    ps = _two_node_job(hosts, tmp_path / "ps", "ivy_ps_sync", {}, "--optimizer", "lamb")
+    ddp = _two_node_job(
+        hosts, tmp_path / "ddp", "ddp", {"GLOO_SOCKET_IFNAME": "eth0"}, "--optimizer", "lamb", port=29502
+    )
     assert [p.finish(90) for p in ps] == [0, 0], "\n".join(p.text()[-3000:] for p in ps)
     assert [p.finish(90) for p in ddp] == [0, 0], "\n".join(p.text()[-3000:] for p in ddp)
     assert hosts.link_bytes(1)[0] - before[0] > 200_000  # the gradients crossed the link
@@ -52,6 +56,8 @@ def test_ivy_ps_sync_across_two_hosts_equals_ddp(emulated_hosts: Any, tmp_path: 
     for name, value in want.items():
         assert torch.equal(got[0][name], got[1][name]), name  # both hosts hold the same model
         assert (got[0][name] - value).abs().max().item() <= 1e-5, name
+    for r in (0, 1):  # max_shard_bytes="auto" split LAMB's weights: the workers are on two hosts
+        assert (tmp_path / "ps" / f"split{r}.txt").read_text().split() == ["net.0.weight", "net.2.weight"]
     init = torch.load(tmp_path / "ps" / "init0.pt")
     assert max((got[0][k] - init[k]).abs().max().item() for k in init) > 1e-2  # it trained
 

@@ -67,7 +67,9 @@ def sync_equivalence(rank: int, world: int) -> dict[str, Any]:
         model = mlp(seed=rank)  # different per rank: the PS must start everyone from rank 0's copy
         opt = make_opt(name, model.parameters())
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        client = start(model, opt, mode="sync", timeout=30.0)
+        # LAMB split explicitly (on one host "auto" keeps its tensors whole): its pieces take the whole tensor's ratio
+        split = {"max_shard_bytes": 256} if name == "lamb" else {}
+        client = start(model, opt, mode="sync", timeout=30.0, **split)
         ref = mlp(seed=0)
         ref_opt = make_opt(name, ref.parameters())
         ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
@@ -91,9 +93,14 @@ def sync_equivalence(rank: int, world: int) -> dict[str, Any]:
         out[f"{name}_split"] = client.plan.split_tensors()  # max_shard_bytes="auto" (the default)
         out[f"{name}_balance"] = client.plan.balance
         client.close()
-    # async: LAMB's split tensors combine their trust ratios push by push, the sums crossing between the ranks
+    # "auto" on one host keeps LAMB's tensors whole in sync mode (the plan alone)
+    model = mlp(seed=0)
+    client = start(model, make_opt("lamb", model.parameters()), mode="sync", timeout=30.0)
+    out["lamb_auto_split"] = client.plan.split_tensors()
+    client.close()
+    # async, split explicitly: LAMB's pieces combine their trust ratios push by push, the sums crossing the ranks
     model = mlp(seed=rank)
-    client = start(model, make_opt("lamb", model.parameters()), mode="async", timeout=30.0)
+    client = start(model, make_opt("lamb", model.parameters()), mode="async", timeout=30.0, max_shard_bytes=256)
     out["async_lamb_split"] = client.plan.split_tensors()
     initial = _params(model)
     for step in range(4):

@@ -109,3 +109,42 @@ def test_flush_forgets_every_reply_then_raises_the_first_failure() -> None:
         channel.flush(replies=True)
     assert channel._replies == {}  # the reply to the live peer was waited for and released too
     assert all(loan.released for loan in loans)
+
+
+class _RecvGroup(_Group):
+    """Also records receives (posted, any-source or not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[tuple[int | None, int]] = []
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
+        self.received.append((src, tag))
+        return _Work(self.waited, f"recv{src}", False)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> _Work:
+        self.received.append((None, tag))
+        tensors[0].copy_(Header(kind=Kind.IDLE, sender=0).encode())  # what arrives: any valid request
+        return _Work(self.waited, "recv-any", False)
+
+
+def test_a_channel_with_a_reverse_group_sends_each_direction_on_its_own_group() -> None:
+    """Rank 1 of 3: to rank 2 (up) on the group, to rank 0 (down) on the reverse one; from rank 0 on the group, from
+    rank 2 on the reverse one; any-source receives listen to the side asked for."""
+    up, down = _RecvGroup(), _RecvGroup()
+    channel = Channel(up, 1, 1.0, reverse=down)
+    channel.send(2, Header(kind=Kind.IDLE, sender=1))
+    channel.send(0, Header(kind=Kind.IDLE, sender=1))
+    assert [dst for dst, _ in up.sent] == [2] and [dst for dst, _ in down.sent] == [0]
+    channel.post_reply(2, None)
+    channel.post_reply(0, None)
+    assert [src for src, _ in up.received] == [0] and [src for src, _ in down.received] == [2]
+    channel.recv_request_header(lower=True)
+    channel.recv_request_header(lower=False)
+    assert up.received[-1][0] is None and down.received[-1][0] is None
+    # without a reverse group everything travels on the one group
+    one = _RecvGroup()
+    plain = Channel(one, 1, 1.0)
+    plain.send(0, Header(kind=Kind.IDLE, sender=1))
+    plain.send(2, Header(kind=Kind.IDLE, sender=1))
+    assert [dst for dst, _ in one.sent] == [0, 2]

@@ -12,10 +12,12 @@ import contextlib
 import functools
 import logging
 import math
+import socket
 import threading
 import time
 import warnings
 import weakref
+import zlib
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -174,17 +176,14 @@ class PSClient:
         specs = tensor_specs(named_params, named_buffers)
         link = service_link.connect(cfg) if cfg.servers is not None else None
         num_shards = link.num_shards if link is not None else (cfg.num_servers if cfg.num_servers > 0 else world_size)
+        self.workers = WorkerGroup(rank, world_size, cfg.timeout)
         if cfg.max_shard_bytes == "auto":  # resolved here, so dedicated servers receive a plain number
-            # LAMB's split tensors take their whole tensor's trust ratio where the shards can sum it (one process
-            # group or one service among them, server/split_trust.py)
-            one_house = link is None or len(link.services) <= 1
-            splits = is_elementwise(self.spec.cls) or (one_house and combines_trust(self.spec.cls))
+            splits = is_elementwise(self.spec.cls) or self._splits_lamb(colocated=link is None and not cfg.num_servers)
             cfg = replace(cfg, max_shard_bytes=auto_max_shard_bytes(specs, num_shards, splits))
             self.cfg = cfg
         self.plan = build_plan(specs, num_shards, cfg.max_shard_bytes)
         self._check_split_trust(link is None or len(link.services) <= 1)
         self.layout = FlatLayout(self.plan, named_params, named_buffers)
-        self.workers = WorkerGroup(rank, world_size, cfg.timeout)
         self._check_same_model()
         job = topology.WorkerJob(
             cfg, self.plan, self.spec, self.layout, rank, world_size, self.workers, self.stop, self.m.wire
@@ -252,6 +251,23 @@ class PSClient:
         if shared:
             self.layout.use_push_buffer(shard, region.tensor)
         return shared
+
+    def _splits_lamb(self, colocated: bool) -> bool:
+        """Whether ``max_shard_bytes="auto"`` splits LAMB's large tensors (collective where it may).
+
+        Its pieces then take the whole tensor's trust ratio, through an exchange among the shards (server/
+        split_trust.py) that costs each step a message between them. It pays where the shards are co-located
+        with workers on more than one host in sync mode: every step waits for every shard, and a whole layer on one
+        host's shard crosses that host's link twice per step (push, then reply) while the other direction idles.
+        Measured at 100 Mbit/s (docs/benchmarks.md): sync 1.06x DDP's epoch split, 1.75x whole; 1 Gbit/s: 1.11x
+        and 1.61x. On an unlimited link the exchange costs more than the balance saves (1.32x against 1.12x), and in
+        async a worker next to the whole layer trains at its own speed (1.09x whole against 1.21x split at 1 Gbit/s),
+        so there the tensors stay whole; an explicit ``max_shard_bytes`` splits them in every mode, exactly.
+        """
+        if not (combines_trust(self.spec.cls) and self.cfg.mode == "sync" and colocated and self.world_size > 1):
+            return False
+        host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+        return len({int(h) for h in self.workers.all_gather(host, "the workers' hostnames")}) > 1
 
     def _check_split_trust(self, one_house: bool) -> None:
         """A LAMB tensor cut across shards (``max_shard_bytes``) takes its whole tensor's trust ratio, which the

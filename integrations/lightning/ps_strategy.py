@@ -145,9 +145,11 @@ class IvyPSStrategy(DDPStrategy):
             (also ``IVYPLUG_PS_SHARED_MEMORY`` or ``shared_memory`` in ``[tool.ivyplug.ps]``).
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).
-        max_shard_bytes: split tensors larger than this row-wise across servers. ``"auto"`` (default)
-            splits only for element-wise optimizers (SGD, Adam, AdamW, ...), so shards balance and the update
-            is unchanged; LAMB keeps whole tensors (its trust ratio is per tensor). ``None``: whole tensors.
+        max_shard_bytes: split tensors larger than this row-wise across servers (a split LAMB tensor keeps its
+            whole tensor's trust ratio: the servers combine it). ``"auto"`` (default) splits for element-wise
+            optimizers (SGD, Adam, AdamW, ...), so shards balance, and for ivyplug's LAMB in sync mode when the
+            workers are on more than one host (a whole layer's traffic would cross one host's link); ``None``:
+            whole tensors.
         process_group_timeout: timeout of the default process group's collectives (Lightning's ``timeout``).
         start_method: ``"popen"`` (default, like ``strategy="ddp"``), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,

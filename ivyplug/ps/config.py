@@ -27,13 +27,14 @@ class PSConfig:
     rank, the step and the first non-finite tensor. ``timeout`` bounds every wait on the PS, in seconds.
     ``num_servers=0`` co-locates one shard with each worker; ``k > 0``: rank 0 starts one CPU server
     process holding k shards; ``servers="host:port"`` joins the shards an ``ivyplug serve`` runs there (``token``: the
-    shared secret it was started with; never logged or saved). ``max_shard_bytes`` splits larger tensors
-    row-wise; ``"auto"`` (default) splits only where the optimizer's update is element-wise, so that shards
-    balance (sharding.py), ``None`` keeps whole tensors. ``wire_dtype="bfloat16"`` sends the floats of
-    pushes (gradients, deltas, float buffers) and of pulled parameters in bf16 over the wire, half the bytes
-    of ``"float32"`` (default); the servers keep fp32 masters and integer buffers travel exactly. A local-update
-    delta carries its rounding error into the next delta (error feedback, localsgd/delta_exchange.py). A finite fp32
-    value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
+    shared secret it was started with; never logged or saved). ``max_shard_bytes`` splits larger tensors row-wise (a
+    split LAMB tensor keeps its whole tensor's trust ratio: the shards combine it, server/split_trust.py); ``"auto"``
+    (default) splits where the optimizer's update is element-wise, and for LAMB in sync mode with co-located workers on
+    more than one host, so that shards balance (sharding.py); ``None`` keeps whole tensors. ``wire_dtype="bfloat16"``
+    sends the floats of pushes (gradients, deltas, float buffers) and of pulled parameters in bf16 over the wire, half
+    the bytes of ``"float32"`` (default); the servers keep fp32 masters and integer buffers travel exactly. A
+    local-update delta carries its rounding error into the next delta (error feedback, localsgd/delta_exchange.py). A
+    finite fp32 value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
     ``"int8"`` / ``"int4"``: pushes (gradients, or local-update deltas, for which they are made) travel
     block-quantized, one fp32 scale per 128 values (about 1/3.9 and 1/7.5 of fp32's bytes), with error feedback
     (what rounding leaves out of a push is carried into the next, wire/codecs.py BlockCodec); buffers travel in

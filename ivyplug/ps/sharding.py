@@ -14,8 +14,9 @@ step becomes every sync step's critical path. ``max_shard_bytes="auto"`` (the de
 when splitting cannot change the update: for optimizers whose update is element-wise within a param group
 (SGD, Adam, AdamW, ... — see ``ivyplug.ps.server.mirror.is_elementwise``), tensors larger than ideal/8 are cut
 into row blocks of at most ideal/8, which bounds the largest shard by 1.125 x ideal (greedy placement:
-the fullest shard was the emptiest when it got its last piece). For LAMB and any other optimizer
-(layer-wise statistics), "auto" keeps whole tensors.
+the fullest shard was the emptiest when it got its last piece). For other optimizers (layer-wise statistics)
+"auto" keeps whole tensors, but for ivyplug's LAMB, whose split tensors keep their trust ratio
+(server/split_trust.py), in sync mode across hosts (``PSClient._splits_lamb``).
 """
 
 from __future__ import annotations

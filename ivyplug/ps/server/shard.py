@@ -702,6 +702,9 @@ class Shard:
                 # torch's load_state_dict builds new param-group dicts: re-point the user-group map at them,
                 # or the hyperparameters carried by later pushes (LR schedulers) would update stale dicts.
                 self.groups = {g: self.optimizer.param_groups[i] for i, g in enumerate(sorted(self.groups))}
+            if self.split is not None:  # the updates in progress were the replaced state's
+                self.split.forget()
+            self._split_step = None
             self.version = int(state["version"])
             if state.get("reset_clocks"):
                 self.clock = [self.version] * self.num_workers

@@ -84,7 +84,9 @@ class SplitTrust:
         self.peers = sorted(set().union(*self.holders.values())) if self.tensors else []
         self._masters = masters
         self._pieces = pieces
-        self._group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        # by position: a loaded state_dict replaces the group dicts (the shard re-points its map at them), not
+        # their order
+        self._group_index = {id(p): k for k, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self._spare: list[dict[int, torch.Tensor]] = []  # scratch sets of finished updates, for the next ones
         # update -> (its scratch set, position -> its first half), in the order they began
         self._begun: dict[Key, tuple[dict[int, torch.Tensor], dict[int, _Half]]] = {}
@@ -106,7 +108,7 @@ class SplitTrust:
         for i in stepped:
             m, p = self._masters[i], self._pieces[i]
             exp_avg, exp_avg_sq, counter = self.optimizer.moments(m)
-            h = LAMB.hyper(self._group_of[id(m)])
+            h = LAMB.hyper(self.optimizer.param_groups[self._group_index[id(m)]])
             grad = grads[p.offset : p.offset + p.numel].view(m.shape)
             with torch.no_grad():
                 d = lamb_direction(m.detach(), grad, exp_avg, exp_avg_sq, counter, h, scratch[i])

@@ -258,11 +258,10 @@ class PSClient:
         Its pieces then take the whole tensor's trust ratio, through an exchange among the shards (server/
         split_trust.py) that costs each step a message between them. It pays where the shards are co-located
         with workers on more than one host in sync mode: every step waits for every shard, and a whole layer on one
-        host's shard crosses that host's link twice per step (push, then reply) while the other direction idles.
-        Measured at 100 Mbit/s (docs/benchmarks.md): sync 1.06x DDP's epoch split, 1.75x whole; 1 Gbit/s: 1.11x
-        and 1.61x. On an unlimited link the exchange costs more than the balance saves (1.32x against 1.12x), and in
-        async a worker next to the whole layer trains at its own speed (1.09x whole against 1.21x split at 1 Gbit/s),
-        so there the tensors stay whole; an explicit ``max_shard_bytes`` splits them in every mode, exactly.
+        host's shard crosses that host's link twice per step (push, then reply), one direction after the other.
+        On an unlimited link the exchange costs more than the balance saves, and in async a worker next to the
+        whole layer trains at its own speed, so there the tensors stay whole (measured: docs/design.md, "Across
+        hosts"). An explicit ``max_shard_bytes`` splits them in every mode, exactly.
         """
         if not (combines_trust(self.spec.cls) and self.cfg.mode == "sync" and colocated and self.world_size > 1):
             return False

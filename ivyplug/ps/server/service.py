@@ -166,19 +166,26 @@ class PSService:
         self._members: dict[int, _Member] = {}  # member number -> its liveness (guarded by _lock)
         self._threads: list[threading.Thread] = []
         # the store listens on a socket bound here (given a port, TCPStore alone listens on every interface)
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(256)
-        self.port = int(self._sock.getsockname()[1])
-        self.store = dist.TCPStore(
-            host,
-            self.port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout),
-            master_listen_fd=self._sock.fileno(),
-        )
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(256)
+            self.port = int(sock.getsockname()[1])
+            self.store = dist.TCPStore(
+                host,
+                self.port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout),
+                master_listen_fd=sock.fileno(),
+            )
+        except BaseException:
+            sock.close()
+            raise
+        # the store owns the descriptor now and closes it when it goes (from its own thread): a Python socket
+        # closing it too would close whatever took that number in between (another thread's pipe, say)
+        sock.detach()
         self.services = [{"address": self.address, "first": 0, "count": num_shards}]
         self.join = join
         saved = self._read_snapshot()

@@ -38,9 +38,10 @@ def _two_node_job(
 
 
 def test_ivy_ps_sync_across_two_hosts_equals_ddp(emulated_hosts: Any, tmp_path: Path) -> None:
-    """With LAMB: across hosts in sync mode its large tensors are split over both hosts' shards, whose exchange of
-    trust-ratio sums then crosses the link too (ps/server/split_trust.py)."""
-    hosts = emulated_hosts(2, hostname_maps_to="loopback")
+    """With LAMB on a 100 Mbit/s link: across hosts in sync mode, where the link is slow, its large tensors are split
+    over both hosts' shards, whose exchange of trust-ratio sums then crosses the link too (ps/server/split_trust.py);
+    on the unlimited link (the control) they stay whole."""
+    hosts = emulated_hosts(2, rate="100mbit", hostname_maps_to="loopback")
     # the PS job without GLOO_SOCKET_IFNAME (its groups bind by the route); DDP, torch's own, needs it here.
     # Side by side: their start-up dominates.
     before = hosts.link_bytes(1)
@@ -56,10 +57,17 @@ def test_ivy_ps_sync_across_two_hosts_equals_ddp(emulated_hosts: Any, tmp_path: 
     for name, value in want.items():
         assert torch.equal(got[0][name], got[1][name]), name  # both hosts hold the same model
         assert (got[0][name] - value).abs().max().item() <= 1e-5, name
-    for r in (0, 1):  # max_shard_bytes="auto" split LAMB's weights: the workers are on two hosts
+    for r in (0, 1):  # max_shard_bytes="auto" split LAMB's weights: the workers are on two hosts, the link is slow
         assert (tmp_path / "ps" / f"split{r}.txt").read_text().split() == ["net.0.weight", "net.2.weight"]
     init = torch.load(tmp_path / "ps" / "init0.pt")
     assert max((got[0][k] - init[k]).abs().max().item() for k in init) > 1e-2  # it trained
+    hosts.limit(None)
+    fast = _two_node_job(
+        hosts, tmp_path / "fast", "ivy_ps_sync", {}, "--optimizer", "lamb", "--epochs", "1", port=29504
+    )
+    assert [p.finish(90) for p in fast] == [0, 0], "\n".join(p.text()[-3000:] for p in fast)
+    for r in (0, 1):
+        assert (tmp_path / "fast" / f"split{r}.txt").read_text().split() == []
 
 
 def test_dedicated_servers_on_loopback_are_refused_at_once_across_hosts(emulated_hosts: Any, tmp_path: Path) -> None:

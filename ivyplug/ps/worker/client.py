@@ -49,6 +49,14 @@ from ivyplug.ps.worker.worker_group import WorkerGroup
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
 
+#: bytes of the all-reduce that times the link between the workers' hosts (``PSClient._splits_lamb``)
+LINK_PROBE_BYTES = 1 << 20
+#: below this all-reduce rate (bytes of the tensor per second; 2 Gbit/s) "auto" splits LAMB's tensors across hosts
+#: in sync mode. Measured on two emulated hosts: splitting took sync from 1.75x to 1.07x DDP's epoch at 100 Mbit/s
+#: (the probe: 12 MB/s) and from 1.61x to 1.15x at 1 Gbit/s (115 MB/s), and from 1.12x to 1.39x on an unlimited
+#: link (185-861 MB/s, noisy on a busy 2-core machine: the best of three tries counts)
+SPLIT_BELOW_BYTES_PER_S = 250e6
+
 log = logging.getLogger(__name__)
 
 
@@ -256,17 +264,23 @@ class PSClient:
         """Whether ``max_shard_bytes="auto"`` splits LAMB's large tensors (collective where it may).
 
         Its pieces then take the whole tensor's trust ratio, through an exchange among the shards (server/
-        split_trust.py) that costs each step a message between them. It pays where the shards are co-located
-        with workers on more than one host in sync mode: every step waits for every shard, and a whole layer on one
-        host's shard crosses that host's link twice per step (push, then reply), one direction after the other.
-        On an unlimited link the exchange costs more than the balance saves, and in async a worker next to the
-        whole layer trains at its own speed, so there the tensors stay whole (measured: docs/design.md, "Across
-        hosts"). An explicit ``max_shard_bytes`` splits them in every mode, exactly.
+        split_trust.py) that costs each step a message between them. It pays in sync mode where the shards are
+        co-located with workers on more than one host and the link between them is slow: every step waits for
+        every shard, and a whole layer on one host's shard crosses that host's link twice per step (push, then
+        reply), one direction after the other. On a fast link the exchange costs more than the balance saves, and
+        in async a worker next to the whole layer trains at its own speed, so there the tensors stay whole
+        (measured: docs/design.md, "Across hosts"). The link is timed here with an all-reduce of
+        :data:`LINK_PROBE_BYTES`; below :data:`SPLIT_BELOW_BYTES_PER_S` the tensors are split. An explicit
+        ``max_shard_bytes`` splits them in every mode, exactly.
         """
         if not (combines_trust(self.spec.cls) and self.cfg.mode == "sync" and colocated and self.world_size > 1):
             return False
+        workers = self.workers
+        assert isinstance(workers, WorkerGroup)  # co-located: the workers meet in their own group
         host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
-        return len({int(h) for h in self.workers.all_gather(host, "the workers' hostnames")}) > 1
+        if len({int(h) for h in workers.all_gather(host, "the workers' hostnames")}) == 1:
+            return False
+        return workers.link_rate(LINK_PROBE_BYTES) < SPLIT_BELOW_BYTES_PER_S
 
     def _check_split_trust(self, one_house: bool) -> None:
         """A LAMB tensor cut across shards (``max_shard_bytes``) takes its whole tensor's trust ratio, which the

@@ -7,6 +7,7 @@ every one of them is bounded by the PS ``timeout`` with an error naming what it 
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +46,20 @@ class WorkerGroup:
         parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
         self.wait(dist.all_gather(parts, tensor, group=self.group, async_op=True), what)
         return parts
+
+    def link_rate(self, nbytes: int, tries: int = 3) -> float:
+        """Bytes per second of an all-reduce of ``nbytes`` among the workers: the slowest rank's time of each try,
+        the best try (after one that opens the connections; on a fast link a busy machine's hiccups come and go);
+        the same number on every rank."""
+        data = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        times = []
+        for _ in range(tries + 1):
+            t0 = time.perf_counter()
+            self.wait(dist.all_reduce(data, group=self.group, async_op=True), "the link's timing")
+            times.append(time.perf_counter() - t0)
+        slowest = torch.tensor(times[1:], dtype=torch.float64)
+        self.wait(dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "the link's timing")
+        return 4 * data.numel() / max(float(slowest.min()), 1e-9)
 
     def share_all(self, blob: bytes) -> list[bytes]:
         """All-gather one byte string per worker."""

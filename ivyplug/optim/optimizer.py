@@ -24,6 +24,7 @@ Policies (documented choices):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -285,7 +286,7 @@ class LAMB(torch.optim.Optimizer):
                 continue
             if group["foreach"] is None:
                 group["foreach"] = resolve_foreach(None, params)
-            beta1, beta2 = group["betas"]
+            hyper = dataclasses.asdict(self.hyper(group, grad_scale))  # lamb's keywords, by name
             ratios = lamb(
                 params,
                 grads,
@@ -293,17 +294,8 @@ class LAMB(torch.optim.Optimizer):
                 exp_avg_sqs,
                 steps,
                 foreach=group["foreach"],
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                bias_correction=group["bias_correction"],
-                max_trust_ratio=group["max_trust_ratio"],
-                min_trust_ratio=group["min_trust_ratio"],
-                exclude_from_layer_adaptation=group["exclude_from_layer_adaptation"],
-                grad_scale=grad_scale,
                 workspace=self._workspace,
+                **hyper,
             )
             last.append((params, ratios))
         self._last_ratios = last

@@ -51,10 +51,10 @@ def holders(plan: ShardPlan) -> dict[int, set[int]]:
 
 
 class _Half(NamedTuple):
-    """A piece's first half: its direction (in ``scratch``), and the hyperparameters its second half takes."""
+    """A piece's first half: its direction (in the update's scratch tensor of that piece), and the hyperparameters
+    its second half takes."""
 
     direction: Direction
-    scratch: torch.Tensor
     hyper: LambHyper
 
 
@@ -91,6 +91,7 @@ class SplitTrust:
         # update -> (its scratch set, position -> its first half), in the order they began
         self._begun: dict[Key, tuple[dict[int, torch.Tensor], dict[int, _Half]]] = {}
         self._sums: dict[Key, dict[int, dict[int, tuple[float, float]]]] = {}  # update -> shard -> tensor -> sums
+        self._waiting: dict[int, int] = {}  # worker -> its async/ssp updates in progress (for waits())
 
     def begin(
         self, key: Key, grads: torch.Tensor, has_grad: Sequence[bool], lr_scale: float = 1.0
@@ -112,10 +113,11 @@ class SplitTrust:
             grad = grads[p.offset : p.offset + p.numel].view(m.shape)
             with torch.no_grad():
                 d = lamb_direction(m.detach(), grad, exp_avg, exp_avg_sq, counter, h, scratch[i])
-            halves[i] = _Half(d, scratch[i], dataclasses.replace(h, lr=h.lr * lr_scale))
+            halves[i] = _Half(d, dataclasses.replace(h, lr=h.lr * lr_scale))
             psq, dsq = mine.get(p.index, (0.0, 0.0))
             mine[p.index] = (psq + d.param_sq, dsq + d.scratch_sq)
         self._begun[key] = (scratch, halves)
+        self._waiting[key[0]] = self._waiting.get(key[0], 0) + 1
         self.note(key, self.shard, mine)
         return [x for t, (psq, dsq) in sorted(mine.items()) for x in (float(t), psq, dsq)]
 
@@ -140,7 +142,7 @@ class SplitTrust:
 
     def waits(self, worker: int) -> bool:
         """Whether a push of ``worker`` (async/ssp) waits for its second half."""
-        return any(w == worker for w, _ in self._begun)
+        return self._waiting.get(worker, 0) > 0
 
     def ready(self) -> list[Key]:
         """The updates whose every piece's sums are in, in the order they began."""
@@ -149,7 +151,7 @@ class SplitTrust:
     def finish(self, key: Key) -> None:
         """Second half of update ``key``: every begun piece takes its whole tensor's ratio (once :meth:`missing` is
         empty; the caller made the masters writable)."""
-        scratch, halves = self._begun.pop(key)
+        scratch, halves = self._drop(key)
         sums = self._sums.pop(key)
         for i, half in halves.items():
             t = self._pieces[i].index
@@ -158,14 +160,22 @@ class SplitTrust:
             psq, dsq = sum(x for x, _ in parts), sum(x for _, x in parts)
             ratio = direction_ratio(psq, dsq, half.direction.scale, half.hyper)
             with torch.no_grad():
-                lamb_apply(self._masters[i].detach(), half.scratch, half.direction.scale, ratio, half.hyper.lr)
+                lamb_apply(self._masters[i].detach(), scratch[i], half.direction.scale, ratio, half.hyper.lr)
         self._spare.append(scratch)
+
+    def _drop(self, key: Key) -> tuple[dict[int, torch.Tensor], dict[int, _Half]]:
+        """Update ``key`` out of the updates in progress: its scratch set and first halves."""
+        scratch, halves = self._begun.pop(key)
+        left = self._waiting.pop(key[0]) - 1
+        if left:
+            self._waiting[key[0]] = left
+        return scratch, halves
 
     def forget(self, worker: int | None = None) -> None:
         """Drop the updates in progress (an aborted sync step), or those of ``worker`` (it rejoined; a push of its
         last life that reached only some shards cannot finish): their moments moved, their parameters will not;
         sums already in for them go too."""
         for key in [k for k in self._begun if worker is None or k[0] == worker]:
-            self._spare.append(self._begun.pop(key)[0])
+            self._spare.append(self._drop(key)[0])
         for key in [k for k in self._sums if (worker is None and k[0] < 0) or k[0] == worker]:
             del self._sums[key]

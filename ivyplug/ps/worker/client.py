@@ -829,6 +829,8 @@ class PSClient:
             channel.flush(replies=True)
             if not isinstance(self.workers, MemberGroup):
                 self.workers.barrier("every rank to close the PS")
+            # a budget of its own: the barrier above waited for the slowest rank's goodbye, after which every server
+            # process has all its goodbyes and only has to exit
             deadline = time.monotonic() + self.cfg.timeout
             for p in topo.server_procs:
                 p.join(max(0.1, deadline - time.monotonic()))

@@ -6,8 +6,9 @@ one node of a two-node job, started by ``torchrun --nnodes 2`` on each (emulated
 ``--link DEV`` then also records the bytes that crossed the interface ``DEV`` during each fit (the kernel's
 own counters, read on rank 0's host).
 
-A config is ``ddp`` (DDP), ``ivy_ps[/wire]`` (the PS in async mode on pushed gradients), ``ivy_ps_sync[/wire]``
-(sync mode) or ``avg/H/outer/wire[/overlap]`` (the optimizer in ``LocalUpdates`` with ``sync_every=H``, where
+A config is ``ddp`` (DDP), ``ivy_ps[/wire][/dedicated]`` (the PS in async mode on pushed gradients; co-located
+servers, or with ``/dedicated`` one server process on rank 0's host), ``ivy_ps_sync[/wire][/dedicated]`` (sync
+mode) or ``avg/H/outer/wire[/overlap]`` (the optimizer in ``LocalUpdates`` with ``sync_every=H``, where
 ``H`` may be ``auto``, async mode, merged by the outer optimizer ``outer``; ``outer@lr@momentum`` sets its
 ``outer_lr`` and ``outer_momentum``; ``/overlap`` exchanges in the background). ``--optimizer`` is AdamW
 (default) or ``lamb`` (ivyplug's LAMB), the same in every config. Settings: ``digits`` is the
@@ -120,18 +121,28 @@ def parse_config(config: str) -> dict[str, Any]:
     parts = config.split("/")
     kind = parts[0]
     if kind == "ddp" and len(parts) == 1:
-        return {"kind": kind, "mode": None, "wire": "float32", "sync_every": None, "outer": "-", "overlap": False}
-    if kind in ("ivy_ps", "ivy_ps_sync") and len(parts) <= 2:
+        return {
+            "kind": kind, "mode": None, "wire": "float32", "sync_every": None, "outer": "-", "overlap": False,
+            "servers": 0,
+        }  # fmt: skip
+    dedicated = parts[-1] == "dedicated"
+    if kind in ("ivy_ps", "ivy_ps_sync") and len(parts) - dedicated <= 2:
         mode = "sync" if kind == "ivy_ps_sync" else "async"
-        wire = parts[1] if len(parts) > 1 else "float32"
-        return {"kind": kind, "mode": mode, "wire": wire, "sync_every": None, "outer": "-", "overlap": False}
+        wire = parts[1] if len(parts) - dedicated > 1 else "float32"
+        return {
+            "kind": kind, "mode": mode, "wire": wire, "sync_every": None, "outer": "-", "overlap": False,
+            "servers": int(dedicated),
+        }  # fmt: skip
     if kind == "avg" and len(parts) in (4, 5) and (len(parts) == 4 or parts[4] == "overlap"):
         h: SyncEvery = "auto" if parts[1] == "auto" else int(parts[1])
         return {
             "kind": kind, "mode": "async", "wire": parts[3], "sync_every": h, "outer": parts[2],
-            "overlap": len(parts) == 5,
+            "overlap": len(parts) == 5, "servers": 0,
         }  # fmt: skip
-    raise ValueError(f"unknown config {config!r}: ddp, ivy_ps[/wire], ivy_ps_sync[/wire] or avg/H/outer/wire[/overlap]")
+    raise ValueError(
+        f"unknown config {config!r}: ddp, ivy_ps[/wire][/dedicated], ivy_ps_sync[/wire][/dedicated] or "
+        "avg/H/outer/wire[/overlap]"
+    )
 
 
 def run_config(
@@ -151,7 +162,7 @@ def run_config(
     c = parse_config(config)
     strategy: Any = "ddp"
     if c["mode"] is not None:
-        strategy = IvyPSStrategy(mode=c["mode"], wire_dtype=c["wire"], timeout=300)
+        strategy = IvyPSStrategy(mode=c["mode"], wire_dtype=c["wire"], timeout=300, num_servers=c["servers"])
     pl.seed_everything(seed, verbose=False)
     train, val = digits(repeat)
     clock, acc = EpochClock(), AccuracyClock()
@@ -190,6 +201,7 @@ def run_config(
         "outer": c["outer"],
         "wire": c["wire"],
         "overlap": c["overlap"],
+        "servers": c["servers"],
         "optimizer": optimizer,
         "setting": setting,
         "slowdown": slowdown,

@@ -3,9 +3,10 @@
 Two emulated hosts (network namespaces with their own ``/dev/shm``, one Lightning worker each, started by
 ``torchrun --nnodes 2`` on each; see :mod:`ivyplug.benchmarks.across_hosts`), links unlimited, 1 Gbit/s and
 100 Mbit/s (``tc tbf`` on both ends of each host's link), ivyplug's LAMB in every configuration: DDP,
-``ivy_ps_sync`` and ``ivy_ps`` (async, co-located servers) with fp32 and bf16 pushes, without and with host 1's
-worker 3x slower at compute (at 100 Mbit/s). The digits MLP 64-1024-1024-10 (1.13M parameters) at batch 256,
-4 epochs, 3 interleaved rounds (seeds 0-2).
+``ivy_ps_sync`` and ``ivy_ps`` (async, co-located servers) with fp32 and bf16 pushes, and async with one dedicated
+server process on host 0 (``/dedicated``: host 0's worker pushes through shared memory, only host 1's crosses the
+link), without and with host 1's worker 3x slower at compute (at 100 Mbit/s). The digits MLP 64-1024-1024-10
+(1.13M parameters) at batch 256, 4 epochs, 3 interleaved rounds (seeds 0-2).
 
 Columns: the median epoch time and its ratio to DDP's, the bytes over host 0's link (the interface's own
 counters, both directions), the final validation accuracy (mean of the seeds) and its distance to DDP's, and
@@ -19,9 +20,15 @@ from typing import Any
 
 from ivyplug.benchmarks.across_hosts import GridJob, format_rows, rates_at, read_selection, run_selection
 
-DESCRIPTION = "2 emulated hosts, unlimited / 1 Gbit/s / 100 Mbit/s links: DDP vs ivy_ps sync and async, fp32 and bf16"
+DESCRIPTION = (
+    "2 emulated hosts, unlimited / 1 Gbit/s / 100 Mbit/s links: DDP vs ivy_ps sync and async (co-located or "
+    "dedicated servers), fp32 and bf16"
+)
 
-CONFIGS = ("ddp", "ivy_ps_sync", "ivy_ps", "ivy_ps_sync/bfloat16", "ivy_ps/bfloat16")
+CONFIGS = (
+    "ddp", "ivy_ps_sync", "ivy_ps", "ivy_ps_sync/bfloat16", "ivy_ps/bfloat16", "ivy_ps/dedicated",
+    "ivy_ps/bfloat16/dedicated",
+)  # fmt: skip
 SLOWDOWN = 3.0
 SLOW_RATE = "100mbit"
 ROUNDS, EPOCHS = 3, 4

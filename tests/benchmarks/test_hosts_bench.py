@@ -79,3 +79,19 @@ def test_grids_and_their_selection() -> None:
         averaging_hosts.grid({"H": ["16"]})
     with pytest.raises(ValueError, match="config must be one of"):
         averaging_hosts.grid({"config": ["avg/16/lamb/int8"]})
+
+
+def test_config_names_choose_mode_wire_and_servers() -> None:
+    from ivyplug.benchmarks.averaging_job import parse_config
+
+    c = parse_config("ivy_ps/bfloat16/dedicated")
+    assert (c["mode"], c["wire"], c["servers"]) == ("async", "bfloat16", 1)
+    c = parse_config("ivy_ps/dedicated")
+    assert (c["mode"], c["wire"], c["servers"]) == ("async", "float32", 1)
+    c = parse_config("ivy_ps_sync/bfloat16")
+    assert (c["mode"], c["wire"], c["servers"]) == ("sync", "bfloat16", 0)
+    assert parse_config("ddp")["servers"] == 0 and parse_config("avg/16/nesterov/int8")["servers"] == 0
+    for bad in ("ivy_ps/bfloat16/dedicated/x", "ivy_ps/bfloat16/2", "ddp/dedicated"):
+        with pytest.raises(ValueError, match="unknown config"):
+            parse_config(bad)
+    assert set(hosts.CONFIGS) >= {"ivy_ps/dedicated", "ivy_ps/bfloat16/dedicated"}

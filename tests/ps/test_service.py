@@ -22,8 +22,10 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_two_workers_train_then_a_new_run_continues_from_the_live_servers(tmp_path: Path) -> None:
     with serve("--shards", "2", "--workers", "2", "--status-every", "1") as s, workers(tmp_path) as w:
-        a = w.start(s.address, "a", "--steps", "30")
-        b = w.start(s.address, "b", "--steps", "30", "--seed", "1")
+        # started together, and each trains for 3 s at least: the two are connected at once (a worker that left
+        # frees its slot for the next), even where one's start is seconds slower than the other's
+        a = w.start(s.address, "a", "--steps", "30", "--sleep", "0.1")
+        b = w.start(s.address, "b", "--steps", "30", "--seed", "1", "--sleep", "0.1")
         for rc, text in w.wait():
             assert rc == 0, text
         ra, rb = result(a), result(b)

@@ -49,13 +49,15 @@ from ivyplug.ps.worker.worker_group import WorkerGroup
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
 
-#: bytes of the all-reduce that times the link between the workers' hosts (``PSClient._splits_lamb``)
-LINK_PROBE_BYTES = 1 << 20
-#: below this all-reduce rate (bytes of the tensor per second; 2 Gbit/s) "auto" splits LAMB's tensors across hosts
+#: bytes of the all-reduce that times the link between the workers' hosts (``PSClient._splits_lamb``): large enough
+#: that an all-reduce's fixed cost on a busy machine (thread hand-offs, scheduling) does not make a fast link look
+#: slow. Between two emulated hosts on a loaded 2-core machine, 1 MB read an unlimited link at 257-709 MB/s (and
+#: once below 250 in a CI run) and 1 Gbit/s at 62-83; 4 MB read 480-825 and 55-98
+LINK_PROBE_BYTES = 4 << 20
+#: below this all-reduce rate (bytes of the tensor per second; 1.6 Gbit/s) "auto" splits LAMB's tensors across hosts
 #: in sync mode. Measured on two emulated hosts: splitting took sync from 1.75x to 1.07x DDP's epoch at 100 Mbit/s
-#: (the probe: 12 MB/s) and from 1.61x to 1.15x at 1 Gbit/s (115 MB/s), and from 1.12x to 1.39x on an unlimited
-#: link (185-861 MB/s, noisy on a busy 2-core machine: the best of three tries counts)
-SPLIT_BELOW_BYTES_PER_S = 250e6
+#: and from 1.61x to 1.15x at 1 Gbit/s, and from 1.12x to 1.39x on an unlimited link
+SPLIT_BELOW_BYTES_PER_S = 200e6
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +282,15 @@ class PSClient:
         host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
         if len({int(h) for h in workers.all_gather(host, "the workers' hostnames")}) == 1:
             return False
-        return workers.link_rate(LINK_PROBE_BYTES) < SPLIT_BELOW_BYTES_PER_S
+        rate = workers.link_rate(LINK_PROBE_BYTES)
+        split = rate < SPLIT_BELOW_BYTES_PER_S
+        log.info(
+            "ivyplug PS: an all-reduce of %d MB between the workers' hosts ran at %.0f MB/s: LAMB's large tensors %s",
+            LINK_PROBE_BYTES >> 20,
+            rate / 1e6,
+            f"are split across hosts (below {SPLIT_BELOW_BYTES_PER_S / 1e6:.0f} MB/s)" if split else "stay whole",
+        )
+        return split
 
     def _check_split_trust(self, one_house: bool) -> None:
         """A LAMB tensor cut across shards (``max_shard_bytes``) takes its whole tensor's trust ratio, which the

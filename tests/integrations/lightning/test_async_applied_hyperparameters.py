@@ -81,7 +81,9 @@ def test_a_step_schedule_s_values_are_the_ones_the_servers_apply(optimizer: str,
 
     values = [v for _, v in worker_steps]
     lrs = {lr for v in values for _, lr, _ in v}
-    assert len(lrs) > len(values) // 2, "the one-cycle schedule did not move the workers' learning rate"
+    # each of the two workers steps its own copy of the schedule: a value comes at most twice (once per worker),
+    # so when both took as many steps, there are exactly half as many values as steps
+    assert len(lrs) >= len(values) // 2, "the one-cycle schedule did not move the workers' learning rate"
     assert len({second for v in values for _, _, second in v}) > 1, "momentum/beta1 was not cycled"
     assert shards, "no server shard recorded a step"
     for applied in shards:

@@ -116,29 +116,36 @@ def _link_bytes(link: str | None) -> int:
     return sum(int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes"))
 
 
+def _config(
+    kind: str,
+    mode: str | None = None,
+    wire: str = "float32",
+    sync_every: SyncEvery | None = None,
+    outer: str = "-",
+    overlap: bool = False,
+    servers: int = 0,
+) -> dict[str, Any]:
+    """A parsed config: its parts, the unnamed ones at their defaults."""
+    return {
+        "kind": kind, "mode": mode, "wire": wire, "sync_every": sync_every, "outer": outer, "overlap": overlap,
+        "servers": servers,
+    }  # fmt: skip
+
+
 def parse_config(config: str) -> dict[str, Any]:
     """The parts of a config name (ValueError naming the forms otherwise)."""
     parts = config.split("/")
     kind = parts[0]
     if kind == "ddp" and len(parts) == 1:
-        return {
-            "kind": kind, "mode": None, "wire": "float32", "sync_every": None, "outer": "-", "overlap": False,
-            "servers": 0,
-        }  # fmt: skip
+        return _config(kind)
     dedicated = parts[-1] == "dedicated"
     if kind in ("ivy_ps", "ivy_ps_sync") and len(parts) - dedicated <= 2:
         mode = "sync" if kind == "ivy_ps_sync" else "async"
         wire = parts[1] if len(parts) - dedicated > 1 else "float32"
-        return {
-            "kind": kind, "mode": mode, "wire": wire, "sync_every": None, "outer": "-", "overlap": False,
-            "servers": int(dedicated),
-        }  # fmt: skip
+        return _config(kind, mode, wire, servers=int(dedicated))
     if kind == "avg" and len(parts) in (4, 5) and (len(parts) == 4 or parts[4] == "overlap"):
         h: SyncEvery = "auto" if parts[1] == "auto" else int(parts[1])
-        return {
-            "kind": kind, "mode": "async", "wire": parts[3], "sync_every": h, "outer": parts[2],
-            "overlap": len(parts) == 5, "servers": 0,
-        }  # fmt: skip
+        return _config(kind, "async", parts[3], h, parts[2], overlap=len(parts) == 5)
     raise ValueError(
         f"unknown config {config!r}: ddp, ivy_ps[/wire][/dedicated], ivy_ps_sync[/wire][/dedicated] or "
         "avg/H/outer/wire[/overlap]"

@@ -32,7 +32,8 @@ class PSConfig:
     (default) splits where the optimizer's update is element-wise, and for LAMB in sync mode with co-located workers on
     more than one host, so that shards balance (sharding.py); ``None`` keeps whole tensors. ``wire_dtype="bfloat16"``
     sends the floats of pushes (gradients, deltas, float buffers) and of pulled parameters in bf16 over the wire, half
-    the bytes of ``"float32"`` (default); the servers keep fp32 masters and integer buffers travel exactly. A
+    the bytes of ``"float32"`` (default; a shard in shared memory with its server travels in fp32, see
+    ``shared_memory``); the servers keep fp32 masters and integer buffers travel exactly. A
     local-update delta carries its rounding error into the next delta (error feedback, localsgd/delta_exchange.py). A
     finite fp32 value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
     ``"int8"`` / ``"int4"``: pushes (gradients, or local-update deltas, for which they are made) travel
@@ -53,8 +54,10 @@ class PSConfig:
     ``shared_memory=True`` (default): a worker and a server on the same host (a co-located rank, the job's
     dedicated servers, an ``ivyplug serve`` there) keep each fp32 push and its reply in a region of
     ``/dev/shm`` both map, and only the headers cross gloo (about 1.0x gloo's loopback round trip at 4 MB and
-    1.5x at 64 MB where it was measured, against 0.5-0.8x over gloo alone; docs/benchmarks.md); servers on
-    other hosts, workers on CUDA and bf16 wires use gloo as before. ``False``: gloo only.
+    1.5x at 64 MB where it was measured, against 0.5-0.8x over gloo alone; docs/benchmarks.md), whatever
+    ``wire_dtype`` says: there a bf16 or quantized copy would round values and save no link's bytes (a local-update
+    delta, rounded with error feedback before it is cut into shards, stays rounded). Servers on other hosts and
+    workers on CUDA use gloo as before. ``False``: gloo only, in ``wire_dtype``.
     """
 
     mode: str = "async"

@@ -216,6 +216,8 @@ class PSClient:
             if not isinstance(ep, WireEndpoint):
                 continue
             ep.host_buffer = functools.partial(self.layout.host_buffer, shard=s)
+            if self._share(s, ep):  # a server on this host: exact fp32 in memory both map, whatever the wire's dtype
+                continue
             if cfg.wire_dtype != "float32":  # pushes and pulls in bf16, or pushes quantized (wire/codecs.py)
                 ep.bf16 = Bf16Codec(self.plan.shard_numel(s), self.plan.float_ranges(s))
                 if cfg.wire_dtype in BLOCK_BITS:
@@ -223,7 +225,7 @@ class PSClient:
                     ep.block = BlockCodec(self.plan.shard_numel(s), self.plan.shard_param_numel(s), bits)
                     pulls = BlockCodec(self.plan.shard_numel(s), self.plan.shard_param_numel(s), PULL_BITS)
                     ep.pulled = PulledCopy(pulls, ep.bf16)
-            elif not self._share(s, ep):  # fp32: cut so that large tensors travel in place (wire/segments.py)
+            else:  # fp32: cut so that large tensors travel in place (wire/segments.py)
                 ep.segments = self.layout.segments[s]
         if self.topo.link is not None and world_size > 1:
             # from here on the workers meet through the service: a worker that dies leaves, never hangs them
@@ -236,7 +238,9 @@ class PSClient:
     def _share(self, shard: int, ep: WireEndpoint) -> bool:
         """Keep ``shard``'s pushes and pulls in shared memory with its server (wire/shared_region.py) where that
         server is on this host (a co-located rank, dedicated servers, an ``ivyplug serve``) and the shard's
-        tensors are packed on the CPU; True if they are."""
+        tensors are packed on the CPU; True if they are. Such a shard travels as exact fp32 with any ``wire_dtype``:
+        the bytes cross no link, so rounding them would lose precision and save nothing (measured across hosts
+        with the servers on one of them: docs/benchmarks.md)."""
         if not self.cfg.shared_memory or self._shm_failed:
             return False
         if self.layout.staging_device(shard) is not None:  # CUDA: the pinned host buffer and one copy

@@ -140,8 +140,9 @@ class IvyPSStrategy(DDPStrategy):
             sent again, but in-place edits of ``.grad.data`` are not seen. ``False`` (default): push at the
             step (the overlap measured slower with CPU workers, and is unmeasured on GPUs).
         shared_memory: ``True`` (default): a worker and a server on the same host (co-located, dedicated or an
-            ``ivyplug serve`` there) keep each push and its reply in shared memory, in exact fp32 whatever
-            ``wire_dtype`` says (no link's bytes to save there), and only the headers cross gloo (servers on other
+            ``ivyplug serve`` there) keep each push and its reply in shared memory, in fp32 whatever ``wire_dtype``
+            says (no link's bytes to save there; a bf16 delta is rounded, with error feedback, before it is cut into
+            shards), and only the headers cross gloo (servers on other
             hosts and CUDA workers stay on gloo); ``False``: gloo only, in ``wire_dtype``
             (also ``IVYPLUG_PS_SHARED_MEMORY`` or ``shared_memory`` in ``[tool.ivyplug.ps]``).
         timeout: seconds that any single wait on the PS may take before failing with an error

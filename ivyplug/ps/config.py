@@ -55,9 +55,9 @@ class PSConfig:
     dedicated servers, an ``ivyplug serve`` there) keep each fp32 push and its reply in a region of
     ``/dev/shm`` both map, and only the headers cross gloo (about 1.0x gloo's loopback round trip at 4 MB and
     1.5x at 64 MB where it was measured, against 0.5-0.8x over gloo alone; docs/benchmarks.md), whatever
-    ``wire_dtype`` says: there a bf16 or quantized copy would round values and save no link's bytes (a local-update
-    delta, rounded with error feedback before it is cut into shards, stays rounded). Servers on other hosts and
-    workers on CUDA use gloo as before. ``False``: gloo only, in ``wire_dtype``.
+    ``wire_dtype`` says: there a bf16 or quantized copy would round values and save no link's bytes (with bf16 a
+    local-update delta is still rounded, with error feedback, by the worker before it is cut into shards). Servers on
+    other hosts and workers on CUDA use gloo as before. ``False``: gloo only, in ``wire_dtype``.
     """
 
     mode: str = "async"

@@ -239,8 +239,8 @@ class PSClient:
         """Keep ``shard``'s pushes and pulls in shared memory with its server (wire/shared_region.py) where that
         server is on this host (a co-located rank, dedicated servers, an ``ivyplug serve``) and the shard's
         tensors are packed on the CPU; True if they are. Such a shard travels as exact fp32 with any ``wire_dtype``:
-        the bytes cross no link, so rounding them would lose precision and save nothing (measured across hosts
-        with the servers on one of them: docs/benchmarks.md)."""
+        the bytes cross no link, so rounding them would lose precision and save nothing (across hosts with the
+        servers on one of them: docs/benchmarks.md, "Async with the servers on one host")."""
         if not self.cfg.shared_memory or self._shm_failed:
             return False
         if self.layout.staging_device(shard) is not None:  # CUDA: the pinned host buffer and one copy

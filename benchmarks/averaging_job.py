@@ -169,15 +169,7 @@ def run_config(
     c = parse_config(config)
     strategy: Any = "ddp"
     if c["mode"] is not None:
-        # on one host shared memory would carry a bf16 or quantized wire in exact fp32 (no link to save): the wire
-        # under test keeps gloo there, as a link between hosts would; across hosts the default holds
-        strategy = IvyPSStrategy(
-            mode=c["mode"],
-            wire_dtype=c["wire"],
-            timeout=300,
-            num_servers=c["servers"],
-            shared_memory=c["wire"] == "float32" or nodes > 1,
-        )
+        strategy = IvyPSStrategy(mode=c["mode"], wire_dtype=c["wire"], timeout=300, num_servers=c["servers"])
     pl.seed_everything(seed, verbose=False)
     train, val = digits(repeat)
     clock, acc = EpochClock(), AccuracyClock()

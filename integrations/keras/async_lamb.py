@@ -137,9 +137,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             cross the wire in bf16, half the bytes (also ``IVYPLUG_PS_WIRE_DTYPE``, ``[tool.ivyplug.ps]``);
             ``"int8"`` / ``"int4"``: deltas block-quantized with error feedback, pulls in bf16.
         shared_memory: ``True`` (default): deltas and pulls between workers on one host travel in shared
-            memory, in fp32 whatever ``wire_dtype`` says (a bf16 delta is rounded, with error feedback, before it
-            is cut into shards), only their headers over gloo; ``False``: gloo only, in ``wire_dtype`` (also
-            ``IVYPLUG_PS_SHARED_MEMORY``).
+            memory, only their headers over gloo (with a bf16 or int ``wire_dtype``: in fp32, in a job across
+            hosts; on one host the wire stays gloo); ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY``).
 
     At each epoch's end it adds ``ivy/rank{r}/sync_every`` (the worker's current local steps per exchange) and,
     with ``overlap``, ``ivy/rank{r}/overlap_wait_s`` to ``fit``'s logs, as the Lightning strategy logs them.

@@ -129,8 +129,8 @@ class IvyPSStrategy(DDPStrategy):
             servers outlive the job: a later job of the same model continues from their state.
         token: the secret that ``ivyplug serve`` was started with (default ``$IVYPLUG_TOKEN``; never logged).
         wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: pushes (gradients, AsyncLAMB's deltas with error
-            feedback) and pulled parameters cross the wire to another host in bf16, half the bytes; the servers keep
-            fp32 (also ``IVYPLUG_PS_WIRE_DTYPE`` or ``wire_dtype`` in ``[tool.ivyplug.ps]``). ``"int8"`` /
+            feedback) and pulled parameters cross the wire in bf16, half the bytes; the servers keep fp32
+            (also ``IVYPLUG_PS_WIRE_DTYPE`` or ``wire_dtype`` in ``[tool.ivyplug.ps]``). ``"int8"`` /
             ``"int4"``: pushes travel block-quantized with error feedback (about 1/3.9 and 1/7.5 of fp32's
             bytes; made for AsyncLAMB's deltas), pulls in bf16; not with ``overlap_backward``.
         overlap_backward: ``True``: each shard's gradients leave from backward's gradient hooks as soon as
@@ -140,10 +140,9 @@ class IvyPSStrategy(DDPStrategy):
             sent again, but in-place edits of ``.grad.data`` are not seen. ``False`` (default): push at the
             step (the overlap measured slower with CPU workers, and is unmeasured on GPUs).
         shared_memory: ``True`` (default): a worker and a server on the same host (co-located, dedicated or an
-            ``ivyplug serve`` there) keep each push and its reply in shared memory, in fp32 whatever ``wire_dtype``
-            says (no link's bytes to save there; a bf16 delta is rounded, with error feedback, before it is cut into
-            shards), and only the headers cross gloo (servers on other
-            hosts and CUDA workers stay on gloo); ``False``: gloo only, in ``wire_dtype``
+            ``ivyplug serve`` there) keep each fp32 push and its reply in shared memory, and only the headers
+            cross gloo (servers on other hosts and CUDA workers stay on gloo; a bf16 or int ``wire_dtype`` too on
+            one host, while a job across hosts takes shared memory in fp32 where it can); ``False``: gloo only
             (also ``IVYPLUG_PS_SHARED_MEMORY`` or ``shared_memory`` in ``[tool.ivyplug.ps]``).
         timeout: seconds that any single wait on the PS may take before failing with an error
             (default ``ivyplug.ps.config.DEFAULT_TIMEOUT_S``, 120 s).

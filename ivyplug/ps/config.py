@@ -32,8 +32,8 @@ class PSConfig:
     (default) splits where the optimizer's update is element-wise, and for LAMB in sync mode with co-located workers on
     more than one host, so that shards balance (sharding.py); ``None`` keeps whole tensors. ``wire_dtype="bfloat16"``
     sends the floats of pushes (gradients, deltas, float buffers) and of pulled parameters in bf16 over the wire, half
-    the bytes of ``"float32"`` (default; a shard in shared memory with its server travels in fp32, see
-    ``shared_memory``); the servers keep fp32 masters and integer buffers travel exactly. A
+    the bytes of ``"float32"`` (default; in a job across hosts a shard in shared memory with its server travels in
+    fp32, see ``shared_memory``); the servers keep fp32 masters and integer buffers travel exactly. A
     local-update delta carries its rounding error into the next delta (error feedback, localsgd/delta_exchange.py). A
     finite fp32 value beyond bf16's range (``|x| >= 3.3962e38``, which rounds to Inf) counts as non-finite.
     ``"int8"`` / ``"int4"``: pushes (gradients, or local-update deltas, for which they are made) travel
@@ -54,10 +54,11 @@ class PSConfig:
     ``shared_memory=True`` (default): a worker and a server on the same host (a co-located rank, the job's
     dedicated servers, an ``ivyplug serve`` there) keep each fp32 push and its reply in a region of
     ``/dev/shm`` both map, and only the headers cross gloo (about 1.0x gloo's loopback round trip at 4 MB and
-    1.5x at 64 MB where it was measured, against 0.5-0.8x over gloo alone; docs/benchmarks.md), whatever
-    ``wire_dtype`` says: there a bf16 or quantized copy would round values and save no link's bytes (with bf16 a
-    local-update delta is still rounded, with error feedback, by the worker before it is cut into shards). Servers on
-    other hosts and workers on CUDA use gloo as before. ``False``: gloo only, in ``wire_dtype``.
+    1.5x at 64 MB where it was measured, against 0.5-0.8x over gloo alone; docs/benchmarks.md). With a bf16 or
+    quantized ``wire_dtype`` it does so, in fp32, only in a job whose workers run on more than one host: there a
+    rounded copy would lose precision and save no link's bytes (a bf16 local-update delta is still rounded, with
+    error feedback, by the worker before it is cut into shards); a job on one host keeps ``wire_dtype`` on gloo.
+    Servers on other hosts and workers on CUDA use gloo. ``False``: gloo only.
     """
 
     mode: str = "async"

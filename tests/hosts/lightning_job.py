@@ -3,7 +3,8 @@
 ``torchrun --nnodes 2 --node-rank I ... lightning_job.py OUT_DIR --strategy ddp|ivy_ps_sync|ivy_ps_async``
 trains 2 epochs (SGD with momentum, or ``--optimizer lamb``; gradient clipping 0.5) and writes each rank's
 parameters to ``OUT_DIR/rank{r}.pt`` (its initial ones to ``init{r}.pt``, the tensors the PS split across its
-shards to ``split{r}.txt``); it prints ``rank R batch N`` after every batch,
+shards to ``split{r}.txt``, the PS's metrics as rank 0 logged them to ``metrics{r}.json``; ``--wire``: the
+``wire_dtype``); it prints ``rank R batch N`` after every batch,
 and ``--sleep`` slows every batch by that many seconds. ``--nodes 1 --servers HOST:PORT``: one worker of an
 ``ivyplug serve``, started on its own; an error that ends ``fit`` is printed as ``error after S s: ...`` (exit 3).
 """
@@ -11,6 +12,7 @@ and ``--sleep`` slows every batch by that many seconds. ``--nodes 1 --servers HO
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -31,6 +33,7 @@ def main() -> int:
     ap.add_argument("--servers", default=None, help="host:port of an ivyplug serve (token: $IVYPLUG_TOKEN)")
     ap.add_argument("--num-servers", type=int, default=0, help="dedicated server processes started by rank 0")
     ap.add_argument("--optimizer", default="sgd", choices=("sgd", "lamb"))
+    ap.add_argument("--wire", default="float32", help="PSConfig.wire_dtype")
     args = ap.parse_args()
     import torch
     from ivyplug.integrations.lightning import IvyPSStrategy
@@ -59,7 +62,9 @@ def main() -> int:
     strategy: Any = args.strategy
     if args.strategy.startswith("ivy_ps_"):
         mode = args.strategy.removeprefix("ivy_ps_")
-        strategy = IvyPSStrategy(mode=mode, timeout=args.timeout, servers=args.servers, num_servers=args.num_servers)
+        strategy = IvyPSStrategy(
+            mode=mode, timeout=args.timeout, servers=args.servers, num_servers=args.num_servers, wire_dtype=args.wire
+        )
     trainer = Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -82,6 +87,8 @@ def main() -> int:
         print(f"error after {time.monotonic() - t0:.1f} s: {type(exc).__name__}: {exc}", flush=True)
         return 3
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, Path(args.out) / f"rank{rank}.pt")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("ivy/")}
+    (Path(args.out) / f"metrics{rank}.json").write_text(json.dumps(metrics))
     print(f"rank {rank} done", flush=True)
     destroy_default_group()
     return 0

@@ -83,6 +83,26 @@ def test_dedicated_servers_on_loopback_are_refused_at_once_across_hosts(emulated
         assert words in error, error
 
 
+def test_servers_on_one_host_take_its_worker_in_fp32_and_the_other_hosts_in_bf16(
+    emulated_hosts: Any, tmp_path: Path
+) -> None:
+    """Async with one dedicated server process on host 0 and ``wire_dtype="bfloat16"``: both workers train. Host
+    0's worker reaches the server through shared memory, in fp32 (rounding bytes that cross no link would save
+    nothing); host 1's pushes cross the link in bf16, half the bytes each. A job on one host keeps bf16 on gloo
+    (tests/ps/test_wire_dtype.py, against a serve on the same host)."""
+    hosts = emulated_hosts(2)
+    job = _two_node_job(
+        hosts, tmp_path / "ps", "ivy_ps_async", {}, "--num-servers", "1", "--wire", "bfloat16", "--epochs", "1"
+    )
+    assert [p.finish(90) for p in job] == [0, 0], "\n".join(p.text()[-3000:] for p in job)
+    metrics = json.loads((tmp_path / "ps" / "metrics0.json").read_text())
+    per_push = [metrics[f"ivy/rank{r}/bytes_sent"] / metrics[f"ivy/rank{r}/pushes"] for r in (0, 1)]
+    assert min(metrics[f"ivy/rank{r}/pushes"] for r in (0, 1)) > 0, metrics
+    floats = sum(t.numel() for t in torch.load(tmp_path / "ps" / "init0.pt").values() if t.is_floating_point())
+    assert per_push[0] >= 4 * floats, (per_push, floats)  # fp32: every value's 4 bytes
+    assert 0.45 <= per_push[1] / per_push[0] <= 0.56, (per_push, floats)  # bf16: half of them
+
+
 def test_a_worker_killed_on_one_host_leaves_the_other_training(emulated_hosts: Any, tmp_path: Path) -> None:
     hosts = emulated_hosts(2, hostname_maps_to="loopback")
     server = serve(hosts, 0, "--shards", "2", "--workers", "2")

@@ -134,7 +134,7 @@ def session(rank: int, world: int) -> dict[str, Any]:
         "accumulated": (_accumulate, {"mode": "sync"}),
         "accumulated_unheld": (lambda m, c, r, s: _accumulate(m, c, r, s, hold=False), {"mode": "sync"}),
         "nan": (_nan_in_first_layer, {"mode": "sync"}),
-        "bf16": (_backward, {"mode": "sync", "wire_dtype": "bfloat16", "shared_memory": False}),  # gloo: bf16 travels
+        "bf16": (_backward, {"mode": "sync", "wire_dtype": "bfloat16"}),
         "dedicated": (_backward, {"mode": "sync", "num_servers": 1}),
         "async": (_backward, {"mode": "async", "turns": True}),
         "ssp": (_edit_after_backward, {"mode": "ssp", "staleness": 1, "turns": True, "max_shard_bytes": None}),

@@ -205,10 +205,7 @@ def test_averaged_deltas_through_a_quantized_wire_sum_to_the_true_deltas(wire: s
     model = nn.Sequential(nn.Linear(30, 20), nn.Tanh(), nn.Linear(20, 4))
     opt = LocalUpdates(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=10**6, merge_rate=1.0)
     with serve("--shards", "1", "--workers", "1", "--token", "t0ken") as s:
-        # shared_memory=False: the serve is on this host, where shared memory would carry the deltas in fp32
-        cfg = PSConfig(
-            mode="async", servers=s.address, token="t0ken", wire_dtype=wire, timeout=60.0, shared_memory=False
-        )
+        cfg = PSConfig(mode="async", servers=s.address, token="t0ken", wire_dtype=wire, timeout=60.0)
         client = opt.start_ps(cfg, list(model.named_parameters()))
         try:
             x0 = [p.detach().double().numpy().copy() for p in model.parameters()]

@@ -108,8 +108,7 @@ def test_no_move_sends_zeros_and_misuse_is_refused() -> None:
 
 # -- a real wire: workers of this process against ivyplug serve -------------------------------------------
 def _client(address: str, wire: str, w: nn.Parameter) -> PSClient:
-    # the serve is on this host: shared memory would carry every wire in fp32, so these keep the gloo wire
-    cfg = PSConfig(mode="async", servers=address, token="t0ken", wire_dtype=wire, timeout=30.0, shared_memory=False)
+    cfg = PSConfig(mode="async", servers=address, token="t0ken", wire_dtype=wire, timeout=30.0)
     return PSClient.start(cfg, [("w", w)], [], torch.optim.SGD([w], lr=1.0))
 
 

@@ -190,14 +190,11 @@ def test_a_finite_gradient_beyond_bf16s_range_counts_as_nonfinite() -> None:
 
 
 # -- a real wire: a worker of this process against ivyplug serve ------------------------------------------
-def _serve_run(
-    address: str, wire: str, init: torch.Tensor, grads: list[torch.Tensor], shared: bool = False
-) -> dict[str, Any]:
-    """Join the serve, pull, push ``grads`` (SGD lr 1 on the server); the pulls, the buffer and the traffic.
-    ``shared``: ``PSConfig.shared_memory`` (the serve is on this host; False keeps the gloo wire)."""
+def _serve_run(address: str, wire: str, init: torch.Tensor, grads: list[torch.Tensor]) -> dict[str, Any]:
+    """Join the serve, pull, push ``grads`` (SGD lr 1 on the server); the pulls, the buffer and the traffic."""
     w = nn.Parameter(init.clone())
     counter = torch.tensor([2**40 + 3], dtype=torch.int64)  # an integer buffer: must travel exactly
-    cfg = PSConfig(mode="async", servers=address, token="t0ken", wire_dtype=wire, timeout=60.0, shared_memory=shared)
+    cfg = PSConfig(mode="async", servers=address, token="t0ken", wire_dtype=wire, timeout=60.0)
     client = PSClient.start(cfg, [("w", w)], [("counter", counter)], torch.optim.SGD([w], lr=1.0))
     try:
         client.pull_initial()
@@ -246,37 +243,3 @@ def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_ha
     for key in ("bytes_sent", "bytes_received"):
         ratio = r16["traffic"][key] / r32["traffic"][key]
         assert 0.49 <= ratio <= 0.52, (key, r16["traffic"], r32["traffic"])
-
-
-def _sgd_chain(master: np.ndarray, grads: list[torch.Tensor]) -> list[np.ndarray]:
-    """The fp32 masters of SGD lr 1 from ``master``: the first is ``master`` itself."""
-    out = [master.astype(np.float32)]
-    for g in grads:
-        out.append((out[-1] - g.numpy()).astype(np.float32))
-    return out
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("wire", ["bfloat16", "int8"])
-def test_a_serve_on_this_host_is_reached_in_exact_fp32_through_shared_memory_whatever_the_wire(wire: str) -> None:
-    """With the serve on this host and ``shared_memory=True`` (the default) a bf16 or int8 wire saves no link's
-    bytes: the pushes and pulls stay fp32 in the region both map, so the servers step by the exact gradients and
-    every pull is the fp32 master. The control, a worker of the same job with ``shared_memory=False``, goes over
-    the gloo wire in ``wire`` and its pulls are rounded."""
-    from tests.ps.service_harness import serve
-
-    gen = torch.Generator().manual_seed(12)
-    init = torch.randn(300, 100, generator=gen)  # 30000 values: int8 blocks and bf16 both round most of them
-    grads = [torch.randn(300, 100, generator=gen) for _ in range(2)]
-    more = [torch.randn(300, 100, generator=gen) for _ in range(2)]
-    with serve("--shards", "1", "--workers", "1", "--token", "t0ken") as s:
-        shm = _serve_run(s.address, wire, init, grads, shared=True)
-        wire_run = _serve_run(s.address, wire, torch.zeros_like(init), more)  # continues the job
-    expect = _sgd_chain(init.numpy(), grads)
-    for step, (got, want) in enumerate(zip(shm["pulled"], expect, strict=True)):
-        torch.testing.assert_close(got, torch.from_numpy(want), rtol=0, atol=0, msg=f"pull {step}")
-    assert shm["counter"] == wire_run["counter"] == 2**40 + 3
-    assert shm["traffic"]["bytes_sent"] >= 4 * init.numel() * len(grads)  # counted as the fp32 pushes they are
-    control = _sgd_chain(expect[-1], more)[-1]
-    torch.testing.assert_close(wire_run["pulled"][-1], torch.from_numpy(control), rtol=0.05, atol=0.05)
-    assert not torch.equal(wire_run["pulled"][-1], torch.from_numpy(control)), "the gloo wire did not round"

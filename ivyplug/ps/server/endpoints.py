@@ -256,8 +256,8 @@ class WireEndpoint:
         self._decoded: torch.Tensor | None = None
         self._open: WireReply | None = None  # the last reply asked for, until it is received whole
         self._seq = 0
-        #: set (PSConfig.wire_dtype other than "float32", a server beyond shared memory): pushes and pulls travel as
-        #: bf16 (wire/codecs.py)
+        #: set (PSConfig.wire_dtype other than "float32", not in shared memory): pushes and pulls travel as bf16
+        #: (wire/codecs.py)
         self.bf16: Bf16Codec | None = None
         #: set with :attr:`bf16` (wire_dtype "int8"/"int4"): pushes travel block-quantized with error feedback
         #: (wire/codecs.py BlockCodec)

@@ -129,6 +129,7 @@ class PSClient:
         self.early: EarlyPush | None = None
         self._scales_pushes = False  # async/ssp clipping rescales every push at the step: nothing to send early
         self._shm_failed = False  # a shared-memory region could not be made: warned once, every shard on gloo
+        self._hosts: int | None = None  # hosts the job's workers run on (_spans_hosts), once asked
         # the number of the last push (wire/push.py): from the start time in µs, so that a restarted worker's
         # numbers never meet those of its last life (exact in fp64 for centuries)
         self._push_number = time.time_ns() // 1000
@@ -212,11 +213,14 @@ class PSClient:
             self.topo = topology.dedicated(job)
         else:
             self.topo = topology.colocated(job)
+        # a bf16 or quantized wire is for the links between hosts: in a job across hosts a shard whose server shares
+        # this host's memory travels in fp32 there; a job on one host keeps the wire it asked for everywhere
+        exact_nearby = cfg.wire_dtype == "float32" or self._spans_hosts()
         for s, ep in self.topo.endpoints.items():  # shards across the wire
             if not isinstance(ep, WireEndpoint):
                 continue
             ep.host_buffer = functools.partial(self.layout.host_buffer, shard=s)
-            if self._share(s, ep):  # a server on this host: exact fp32 in memory both map, whatever the wire's dtype
+            if exact_nearby and self._share(s, ep):  # a server on this host: fp32 in memory both map
                 continue
             if cfg.wire_dtype != "float32":  # pushes and pulls in bf16, or pushes quantized (wire/codecs.py)
                 ep.bf16 = Bf16Codec(self.plan.shard_numel(s), self.plan.float_ranges(s))
@@ -238,9 +242,9 @@ class PSClient:
     def _share(self, shard: int, ep: WireEndpoint) -> bool:
         """Keep ``shard``'s pushes and pulls in shared memory with its server (wire/shared_region.py) where that
         server is on this host (a co-located rank, dedicated servers, an ``ivyplug serve``) and the shard's
-        tensors are packed on the CPU; True if they are. Such a shard travels as exact fp32 with any ``wire_dtype``:
-        the bytes cross no link, so rounding them would lose precision and save nothing (across hosts with the
-        servers on one of them: docs/benchmarks.md, "Async with the servers on one host")."""
+        tensors are packed on the CPU; True if they are. Such a shard travels as exact fp32; with a bf16 or quantized
+        ``wire_dtype`` it is tried only in a job across hosts (:meth:`_spans_hosts`), where rounding bytes that cross
+        no link would lose precision and save nothing (docs/benchmarks.md, "Async with the servers on one host")."""
         if not self.cfg.shared_memory or self._shm_failed:
             return False
         if self.layout.staging_device(shard) is not None:  # CUDA: the pinned host buffer and one copy
@@ -281,11 +285,10 @@ class PSClient:
         """
         if not (combines_trust(self.spec.cls) and self.cfg.mode == "sync" and colocated and self.world_size > 1):
             return False
+        if not self._spans_hosts():
+            return False
         workers = self.workers
         assert isinstance(workers, WorkerGroup)  # co-located: the workers meet in their own group
-        host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
-        if len({int(h) for h in workers.all_gather(host, "the workers' hostnames")}) == 1:
-            return False
         rate = workers.link_rate(LINK_PROBE_BYTES)
         split = rate < SPLIT_BELOW_BYTES_PER_S
         log.info(
@@ -295,6 +298,17 @@ class PSClient:
             f"are split across hosts (below {SPLIT_BELOW_BYTES_PER_S / 1e6:.0f} MB/s)" if split else "stay whole",
         )
         return split
+
+    def _spans_hosts(self) -> bool:
+        """Whether this job's workers run on more than one host (by hostname); asked of every worker at once, at
+        start, while they meet in the job's own group."""
+        if self._hosts is None:
+            if self.world_size == 1:
+                self._hosts = 1
+            else:
+                host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+                self._hosts = len({int(h) for h in self.workers.all_gather(host, "the workers' hostnames")})
+        return self._hosts > 1
 
     def _check_split_trust(self, one_house: bool) -> None:
         """A LAMB tensor cut across shards (``max_shard_bytes``) takes its whole tensor's trust ratio, which the

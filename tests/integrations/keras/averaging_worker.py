@@ -35,8 +35,7 @@ def main() -> None:
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    wire = os.environ["WIRE"]  # one host: shared memory would carry it in exact fp32, so the codecs keep gloo
-    exchange = AsyncLAMBExchange(mode=os.environ["MODE"], timeout=60, wire_dtype=wire, shared_memory=wire == "float32")
+    exchange = AsyncLAMBExchange(mode=os.environ["MODE"], timeout=60, wire_dtype=os.environ["WIRE"])
     history = model.fit(
         x[mine],
         y[mine],

@@ -71,14 +71,7 @@ def run(spec: str) -> dict[str, Any]:
     else:
         lr = 0.1 if outer == "sgd" else 2e-2
         model = DigitsMLP(hidden=64, lr=lr, optimizer=outer, batch_size=32, shuffle=True)
-    # one host: shared memory would carry every shard in exact fp32, so the codecs under test keep the gloo wire
-    strategy = IvyPSStrategy(
-        mode=mode,
-        timeout=60,
-        wire_dtype=wire,
-        shared_memory=wire == "float32",
-        process_group_timeout=timedelta(seconds=60),
-    )
+    strategy = IvyPSStrategy(mode=mode, timeout=60, wire_dtype=wire, process_group_timeout=timedelta(seconds=60))
     trainer = Trainer(
         accelerator="cpu",
         devices=2,

@@ -3,7 +3,7 @@
 ``torchrun --nnodes 2 --node-rank I ... lightning_job.py OUT_DIR --strategy ddp|ivy_ps_sync|ivy_ps_async``
 trains 2 epochs (SGD with momentum, or ``--optimizer lamb``; gradient clipping 0.5) and writes each rank's
 parameters to ``OUT_DIR/rank{r}.pt`` (its initial ones to ``init{r}.pt``, the tensors the PS split across its
-shards to ``split{r}.txt``, the PS's metrics as rank 0 logged them to ``metrics{r}.json``; ``--wire``: the
+shards to ``split{r}.txt``, the ``ivy/`` metrics each rank logged to ``metrics{r}.json``; ``--wire``: the
 ``wire_dtype``); it prints ``rank R batch N`` after every batch,
 and ``--sleep`` slows every batch by that many seconds. ``--nodes 1 --servers HOST:PORT``: one worker of an
 ``ivyplug serve``, started on its own; an error that ends ``fit`` is printed as ``error after S s: ...`` (exit 3).

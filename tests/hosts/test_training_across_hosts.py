@@ -96,8 +96,8 @@ def test_servers_on_one_host_take_its_worker_in_fp32_and_the_other_hosts_in_bf16
     )
     assert [p.finish(90) for p in job] == [0, 0], "\n".join(p.text()[-3000:] for p in job)
     metrics = json.loads((tmp_path / "ps" / "metrics0.json").read_text())
-    per_push = [metrics[f"ivy/rank{r}/bytes_sent"] / metrics[f"ivy/rank{r}/pushes"] for r in (0, 1)]
     assert min(metrics[f"ivy/rank{r}/pushes"] for r in (0, 1)) > 0, metrics
+    per_push = [metrics[f"ivy/rank{r}/bytes_sent"] / metrics[f"ivy/rank{r}/pushes"] for r in (0, 1)]
     floats = sum(t.numel() for t in torch.load(tmp_path / "ps" / "init0.pt").values() if t.is_floating_point())
     assert per_push[0] >= 4 * floats, (per_push, floats)  # fp32: every value's 4 bytes
     assert 0.45 <= per_push[1] / per_push[0] <= 0.56, (per_push, floats)  # bf16: half of them

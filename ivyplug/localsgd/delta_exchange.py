@@ -22,8 +22,9 @@ with ``outer_momentum_every`` > 1 the delayed Nesterov update, :class:`ivyplug.o
 ``"lamb"`` mirrors LAMB over it, whose clipped layer-wise trust ratio bounds how far one merge moves a layer.
 The servers build whichever optimizer :meth:`OuterRule.build` returns, as they build any optimizer.
 
-With ``PSConfig.wire_dtype="bfloat16"`` a delta travels in bf16 with error feedback (to a shard in process or in
-shared memory, the rounded delta travels as fp32: it is rounded before it is cut into shards): the worker rounds
+With ``PSConfig.wire_dtype="bfloat16"`` a delta travels in bf16 with error feedback (to a shard in process, or in
+shared memory in a job across hosts, the rounded delta travels as fp32: it is rounded before it is cut into
+shards): the worker rounds
 ``e + Δ`` to bf16 itself (``e``: what rounding left out of the previous deltas), pushes that, and keeps
 ``e ← e + Δ − bf16(e + Δ)``. The deltas applied then sum to the true deltas' sum less the last ``e``, which is
 at most half a bf16 unit of the last pushed delta per element: nothing is lost over time. ``e`` restarts at

@@ -129,7 +129,7 @@ class PSClient:
         self.early: EarlyPush | None = None
         self._scales_pushes = False  # async/ssp clipping rescales every push at the step: nothing to send early
         self._shm_failed = False  # a shared-memory region could not be made: warned once, every shard on gloo
-        self._hosts: int | None = None  # hosts the job's workers run on (_spans_hosts), once asked
+        self._spans: bool | None = None  # whether the job's workers run on several hosts (_spans_hosts), once asked
         # the number of the last push (wire/push.py): from the start time in µs, so that a restarted worker's
         # numbers never meet those of its last life (exact in fp64 for centuries)
         self._push_number = time.time_ns() // 1000
@@ -302,13 +302,12 @@ class PSClient:
     def _spans_hosts(self) -> bool:
         """Whether this job's workers run on more than one host (by hostname); asked of every worker at once, at
         start, while they meet in the job's own group."""
-        if self._hosts is None:
-            if self.world_size == 1:
-                self._hosts = 1
-            else:
+        if self._spans is None:
+            self._spans = False
+            if self.world_size > 1:
                 host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
-                self._hosts = len({int(h) for h in self.workers.all_gather(host, "the workers' hostnames")})
-        return self._hosts > 1
+                self._spans = len({int(h) for h in self.workers.all_gather(host, "the workers' hostnames")}) > 1
+        return self._spans
 
     def _check_split_trust(self, one_house: bool) -> None:
         """A LAMB tensor cut across shards (``max_shard_bytes``) takes its whole tensor's trust ratio, which the

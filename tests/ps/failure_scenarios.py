@@ -113,6 +113,7 @@ def dedicated_job_without_close() -> None:
     client = PSClient.start(PSConfig(mode="sync", num_servers=1, timeout=60.0), list(model.named_parameters()), [], opt)
     client.pull_initial()
     print("SERVERS " + " ".join(str(p.pid) for p in client.server_procs), flush=True)
+    sys.stdin.readline()  # the test has seen the server alive: fail now
     raise RuntimeError("user code failed before close()")
 
 

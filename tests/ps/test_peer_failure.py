@@ -85,6 +85,7 @@ def dedicated_job(*args: str) -> Iterator[Job]:
         [sys.executable, "-m", "tests.ps.failure_scenarios", *args],
         cwd=REPO,
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -147,6 +148,9 @@ def test_rank0_that_fails_before_close_still_exits_and_ends_its_servers() -> Non
     """Rank 0 raises without calling close(): its interpreter exits (the servers are daemonic children,
     terminated at exit, not joined while they wait for a BYE that never comes) and no server is left."""
     with dedicated_job("without-close") as job:
+        assert job.proc.stdin is not None
+        job.proc.stdin.write("fail now\n")  # only now: until here the server must be alive
+        job.proc.stdin.flush()
         assert job.proc.wait(60) == 1
         assert _wait_gone(job.servers, 10.0), "a dedicated server outlived its rank 0"
     assert "user code failed before close()" in "".join(job.stderr)

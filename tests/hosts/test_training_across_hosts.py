@@ -100,7 +100,9 @@ def test_servers_on_one_host_take_its_worker_in_fp32_and_the_other_hosts_in_bf16
     per_push = [metrics[f"ivy/rank{r}/bytes_sent"] / metrics[f"ivy/rank{r}/pushes"] for r in (0, 1)]
     floats = sum(t.numel() for t in torch.load(tmp_path / "ps" / "init0.pt").values() if t.is_floating_point())
     assert per_push[0] >= 4 * floats, (per_push, floats)  # fp32: every value's 4 bytes
-    assert 0.45 <= per_push[1] / per_push[0] <= 0.56, (per_push, floats)  # bf16: half of them
+    # bf16: 2 bytes a value plus the endpoint's other messages (headers, batch requests; 1.7-1.9 KB a push in
+    # two runs, with the timing), well below fp32's 4 bytes a value
+    assert 2 * floats <= per_push[1] < 3 * floats, (per_push, floats)
 
 
 def test_a_worker_killed_on_one_host_leaves_the_other_training(emulated_hosts: Any, tmp_path: Path) -> None:

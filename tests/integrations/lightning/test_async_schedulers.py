@@ -65,7 +65,7 @@ class OneCycleMLP(DigitsMLP):
         super().on_train_epoch_end()  # writes the batches and samples of this epoch
 
 
-def _model(record: Path) -> OneCycleMLP:
+def _model(record: Path, delay_s: float = 0.03) -> OneCycleMLP:
     return OneCycleMLP(
         hidden=32,
         lr=0.05,
@@ -73,7 +73,7 @@ def _model(record: Path) -> OneCycleMLP:
         batch_size=BATCH,
         shuffle=True,
         slow_rank=SLOW_RANK,
-        delay_s=0.03,
+        delay_s=delay_s,
         record_dir=str(record),
     )
 
@@ -187,8 +187,11 @@ def test_max_steps_ends_every_worker_s_fit_when_the_first_reaches_it(num_workers
     record.mkdir()
     # 5 epochs hold 100 batches: the step limit, not the epochs, ends this fit. One step past a full epoch, so
     # the stopping epoch empties its queue only if the slow worker kept pace with the fast one (it sleeps).
+    # The slow worker sleeps 0.15 s a batch: with 30 ms a fast step under load (another test beside this one,
+    # two loader processes) kept pace with it, and the stopping epoch emptied its queue.
     max_steps, max_epochs = NUM_BATCHES + 1, 5
-    model = _model(record) if not num_workers else _LoaderWorkersMLP(**_model(record).hparams)
+    slow = _model(record, delay_s=0.15)
+    model = slow if not num_workers else _LoaderWorkersMLP(**slow.hparams)
     with reaped_children():
         trainer = quiet_trainer(
             _strategy("ivy_ps"),

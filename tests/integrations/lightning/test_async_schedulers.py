@@ -65,7 +65,10 @@ class OneCycleMLP(DigitsMLP):
         super().on_train_epoch_end()  # writes the batches and samples of this epoch
 
 
-def _model(record: Path, delay_s: float = 0.03) -> OneCycleMLP:
+def _model(record: Path) -> OneCycleMLP:
+    """The slow worker sleeps 0.15 s a batch: at 30 ms, a fast worker slowed by a test running beside this
+    one kept pace with it, and checks that need the fast one ahead (a cap it reaches first, a stopping epoch
+    that ends before its queue is empty) failed."""
     return OneCycleMLP(
         hidden=32,
         lr=0.05,
@@ -73,7 +76,7 @@ def _model(record: Path, delay_s: float = 0.03) -> OneCycleMLP:
         batch_size=BATCH,
         shuffle=True,
         slow_rank=SLOW_RANK,
-        delay_s=delay_s,
+        delay_s=0.15,
         record_dir=str(record),
     )
 
@@ -187,11 +190,8 @@ def test_max_steps_ends_every_worker_s_fit_when_the_first_reaches_it(num_workers
     record.mkdir()
     # 5 epochs hold 100 batches: the step limit, not the epochs, ends this fit. One step past a full epoch, so
     # the stopping epoch empties its queue only if the slow worker kept pace with the fast one (it sleeps).
-    # The slow worker sleeps 0.15 s a batch: with 30 ms a fast step under load (another test beside this one,
-    # two loader processes) kept pace with it, and the stopping epoch emptied its queue.
     max_steps, max_epochs = NUM_BATCHES + 1, 5
-    slow = _model(record, delay_s=0.15)
-    model = slow if not num_workers else _LoaderWorkersMLP(**slow.hparams)
+    model = _model(record) if not num_workers else _LoaderWorkersMLP(**_model(record).hparams)
     with reaped_children():
         trainer = quiet_trainer(
             _strategy("ivy_ps"),

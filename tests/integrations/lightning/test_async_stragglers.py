@@ -38,7 +38,7 @@ def test_async_straggler_trains_every_sample_once_and_fast_worker_does_more(slow
         batch_size=BATCH,
         shuffle=True,
         slow_rank=slow_rank,
-        delay_s=0.03,
+        delay_s=0.1,  # at 30 ms, a fast worker slowed by a test running beside this one could keep pace
         log_sync_dist=True,
         record_dir=str(record),
         batchnorm=True,  # buffers travel through the PS too

@@ -24,11 +24,11 @@ The servers build whichever optimizer :meth:`OuterRule.build` returns, as they b
 
 With ``PSConfig.wire_dtype="bfloat16"`` a delta travels in bf16 with error feedback (to a shard in process, or in
 shared memory in a job across hosts, the rounded delta travels as fp32: it is rounded before it is cut into
-shards): the worker rounds
-``e + Δ`` to bf16 itself (``e``: what rounding left out of the previous deltas), pushes that, and keeps
-``e ← e + Δ − bf16(e + Δ)``. The deltas applied then sum to the true deltas' sum less the last ``e``, which is
-at most half a bf16 unit of the last pushed delta per element: nothing is lost over time. ``e`` restarts at
-zero after a dropped (non-finite) delta; it is not part of a checkpoint (it is below one bf16 rounding).
+shards): the worker rounds ``e + Δ`` to bf16 itself (``e``: what rounding left out of the previous deltas), pushes
+that, and keeps ``e ← e + Δ − bf16(e + Δ)``. The deltas applied then sum to the true deltas' sum less the last
+``e``, which is at most half a bf16 unit of the last pushed delta per element: nothing is lost over time. ``e``
+restarts at zero after a dropped (non-finite) delta; it is not part of a checkpoint (it is below one bf16
+rounding).
 
 Overlapped exchange (``overlap=True``, docs/design.md "Overlapped exchange"): the push and the pull run on a
 background thread while the worker keeps taking local steps on its model; at most one exchange is in flight.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -113,7 +114,8 @@ def dedicated_job_without_close() -> None:
     client = PSClient.start(PSConfig(mode="sync", num_servers=1, timeout=60.0), list(model.named_parameters()), [], opt)
     client.pull_initial()
     print("SERVERS " + " ".join(str(p.pid) for p in client.server_procs), flush=True)
-    sys.stdin.readline()  # the test has seen the server alive: fail now
+    # fail once the test has seen the server alive (its line), or after 120 s without it
+    select.select([sys.stdin], [], [], 120.0)
     raise RuntimeError("user code failed before close()")
 
 

@@ -302,11 +302,12 @@ class PSClient:
     def _spans_hosts(self) -> bool:
         """Whether this job's workers run on more than one host (by hostname); asked of every worker at once, at
         start, while they meet in the job's own group."""
-        if self._spans is None:
-            self._spans = False
+        if self._spans is None:  # set only once answered: a gather that timed out is not taken for "one host"
+            spans = False
             if self.world_size > 1:
                 host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
-                self._spans = len({int(h) for h in self.workers.all_gather(host, "the workers' hostnames")}) > 1
+                spans = len({int(h) for h in self.workers.all_gather(host, "the workers' hostnames")}) > 1
+            self._spans = spans
         return self._spans
 
     def _check_split_trust(self, one_house: bool) -> None:

@@ -34,7 +34,13 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _restore_launch_variables() -> Iterator[None]:
+    """Every test starts with a MASTER_PORT of this worker's own range (tests/ports.py) and ends with the launch
+    variables it found: a fit that leaves MASTER_PORT unset has Lightning draw an ephemeral port, which the
+    other pytest worker may take before rank 0 binds it."""
+    from tests.ports import free_port
+
     saved = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}
+    os.environ["MASTER_PORT"] = str(free_port())
     yield
     for key, value in saved.items():
         if value is None:

@@ -5,18 +5,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.ports import free_port
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any) -> None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 #: Keras's backends, as ``KERAS_BACKEND`` spells them.
@@ -115,9 +116,7 @@ def run_workers(backend: str, names: list[str], tmp: Path, world: int, timeout: 
     ``MASTER_ADDR``, ``MASTER_PORT``), each process's results in rank order."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     procs = [
         _start(
             backend,

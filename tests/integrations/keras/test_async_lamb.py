@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from ivyplug.integrations.keras import LAMB, AsyncLAMB, AsyncLAMBExchange
 
+from tests.ports import free_port
 from tests.ps.diffs import max_abs_diff
 
 REPO = Path(__file__).resolve().parents[3]
@@ -120,12 +120,6 @@ def test_mirrored_strategy_worker_exchanges_and_keeps_replicas_equal(mirrored: o
     for v in model.trainable_variables:
         replicas = [t.numpy() for t in v.value.values]  # the tf MirroredVariable under the keras.Variable
         np.testing.assert_array_equal(replicas[0], replicas[1])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,7 +281,7 @@ def _close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
 def test_two_keras_workers_merge_their_deltas_as_the_server_rule_says(tmp_path: Path, mode: str) -> None:
     """Two Keras processes (digits MLP, H = 4): every pushed delta and every pulled global copy is recorded,
     and a float64 replay of the merge rule on those deltas gives every pulled copy and the final model."""
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for rank in (0, 1):

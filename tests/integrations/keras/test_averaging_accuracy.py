@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +15,9 @@ from pathlib import Path
 import pytest
 from ivyplug.integrations.keras import AsyncLAMBExchange
 
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_bad_wire_dtype_is_refused_by_name() -> None:
@@ -32,7 +27,7 @@ def test_a_bad_wire_dtype_is_refused_by_name() -> None:
 
 @pytest.mark.timeout(240)
 def test_two_keras_workers_with_h16_bf16_deltas_reach_93_percent(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for rank in (0, 1):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,17 +21,6 @@ import numpy as np
 import pytest
 
 DEADLINE_S = 240.0  # a hang guard: ~50 s of CPU, 95-150 s of wall time at load 7-10 on 2 cores
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _fit_error(model: Any, data: Any) -> str | None:
@@ -104,7 +92,9 @@ def _worker(index: int, ports: list[int], out: Path) -> None:
 
 
 def _run_pair(tmp_path: Path) -> list[dict[str, Any]]:
-    ports = _free_ports(2)
+    from tests.ports import free_ports  # here: this file is also each worker's script, where tests/ is not importable
+
+    ports = free_ports(2)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow", CUDA_VISIBLE_DEVICES="")
     env.pop("TF_CONFIG", None)
     procs: list[subprocess.Popen[bytes]] = []

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,22 +21,17 @@ from pathlib import Path
 import pytest
 
 from tests.integrations.lightning.lb_ddp_job import EPOCHS, TARGET
+from tests.ports import free_port
 from tests.ps.diffs import max_abs_diff
 
 JOB = Path(__file__).with_name("lb_ddp_job.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Run every fit of lb_ddp_job.py once: 2 processes started with LOCAL_RANK set, ended even on failure."""
     out = tmp_path_factory.mktemp("lb_job")
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen[str]] = []
     logs: list[str] = []
     try:

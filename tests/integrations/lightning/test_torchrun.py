@@ -5,26 +5,21 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "lightning_ps.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(295)
 def test_two_torchrun_nodes_train_on_the_ps(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for node in (0, 1):

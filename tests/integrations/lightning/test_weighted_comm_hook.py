@@ -5,11 +5,12 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
-import socket
 from pathlib import Path
 
 import torch
 from ivyplug.integrations.lightning.weighted_comm_hook import ShareHookState, share_weighted_hook
+
+from tests.ports import free_port
 
 SIZES = (7, 2)
 
@@ -56,19 +57,13 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_uneven_shares_give_the_full_batch_gradient(tmp_path: Path) -> None:
     model = _model().double()
     x, y = _data()
     torch.nn.functional.cross_entropy(model(x.double()), y).backward()
     reference = [p.grad for p in model.parameters()]
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path / f"{r}.pt"))) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ivyplug.benchmarks.averaging import SETTINGS
 from ivyplug.benchmarks.emulated_hosts import DEVICE, Hosts, unavailable
 
 #: link speeds (``tc`` rates; None: unlimited)
@@ -31,7 +32,7 @@ RATES: tuple[str | None, ...] = (None, "1gbit", "100mbit")
 PORT = 29710
 GRACE_S = 30.0
 #: the keys of ``--select`` for the host benchmarks
-SELECT_KEYS = ("rate", "slowdown", "config", "rounds", "first_round")
+SELECT_KEYS = ("rate", "slowdown", "config", "rounds", "first_round", "setting")
 ENV = {
     "OMP_NUM_THREADS": "1",
     "PYTHONWARNINGS": "ignore",
@@ -87,10 +88,12 @@ def read_selection(
     bench: str, select: dict[str, list[str]], configs: Sequence[str], slowdown: float
 ) -> tuple[list[str | None], list[float]]:
     """The rates and slowdowns of a ``--select`` (keys ``rate``, ``slowdown``, ``config``, ``rounds``,
-    ``first_round``), its names checked against ``RATES`` and ``configs``; both host benchmarks read it alike."""
+    ``first_round``, ``setting``), its names checked against ``RATES``, ``configs`` and the model settings; both
+    host benchmarks read it alike."""
     unknown = sorted(set(select) - set(SELECT_KEYS))
     if unknown:
         raise ValueError(f"bench {bench}: unknown selection key(s) {unknown}; known: {', '.join(SELECT_KEYS)}")
+    selected_setting(bench, select)
     names = {rate_name(r): r for r in RATES}
     for r in select.get("rate", []):
         if r not in names:
@@ -100,6 +103,15 @@ def read_selection(
             raise ValueError(f"bench {bench}: config must be one of {tuple(configs)}, got {c!r}")
     rates = [names[r] for r in select.get("rate", [rate_name(r) for r in RATES])]
     return rates, [float(s) for s in select.get("slowdown", ["1", str(slowdown)])]
+
+
+def selected_setting(bench: str, select: dict[str, list[str]]) -> str:
+    """The model of a ``--select`` (``setting=digits``, the default, or ``wide``: 64-2048-2048-10 at batch 16, where
+    the link is a larger share of a step); one per run, as its rows are grouped without it."""
+    settings = select.get("setting", ["digits"])
+    if len(settings) != 1 or settings[0] not in SETTINGS:
+        raise ValueError(f"bench {bench}: setting must be one of {SETTINGS} (one per run), got {settings!r}")
+    return settings[0]
 
 
 def rates_at(slowdown: float, rates: list[str | None], slow_rate: str) -> list[str | None]:
@@ -127,10 +139,12 @@ def run_selection(
         select = select or {}
         rounds = int(select.get("rounds", [str(rounds)])[-1])
         first = int(select.get("first_round", ["0"])[-1])  # more seeds later: their rounds join the earlier ones'
-        raw = run_rounds(grid(select), rounds=rounds, epochs=epochs, setting="digits", optimizer=optimizer, first=first)
+        setting = selected_setting("hosts", select)
+        raw = run_rounds(grid(select), rounds=rounds, epochs=epochs, setting=setting, optimizer=optimizer, first=first)
     return {
         "quick": quick,
         "select": select or {},
+        "setting": "digits" if quick else setting,
         "optimizer": optimizer,
         "skipped": raw["skipped"],
         "runs": raw["runs"],
@@ -244,7 +258,7 @@ def format_rows(title: str, results: dict[str, Any]) -> str:
     if results.get("skipped"):
         return f"{title}: skipped, {results['skipped']}"
     lines = [
-        title,
+        f"{title}, model setting {results.get('setting', 'digits')}",
         f"{'link':<9} {'slow':>4} {'config':<30} {'epoch s':>8} {'vs DDP':>7} {'link MB':>8} {'vs DDP':>7} "
         f"{'val acc':>8} {'pts':>6} {'t->DDP acc':>10} {'load':>9}",
     ]

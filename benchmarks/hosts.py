@@ -6,7 +6,8 @@ Two emulated hosts (network namespaces with their own ``/dev/shm``, one Lightnin
 ``ivy_ps_sync`` and ``ivy_ps`` (async, co-located servers) with fp32 and bf16 pushes, and async with one dedicated
 server process on host 0 (``/dedicated``: host 0's worker pushes through shared memory, only host 1's crosses the
 link), without and with host 1's worker 3x slower at compute (at 100 Mbit/s). The digits MLP 64-1024-1024-10
-(1.13M parameters) at batch 256, 4 epochs, 3 interleaved rounds (seeds 0-2).
+(1.13M parameters) at batch 256, 4 epochs, 3 interleaved rounds (seeds 0-2); ``--select setting=wide``: the MLP
+64-2048-2048-10 (4.35M parameters) at batch 16, where the link is a larger share of a step.
 
 Columns: the median epoch time and its ratio to DDP's, the bytes over host 0's link (the interface's own
 counters, both directions), the final validation accuracy (mean of the seeds) and its distance to DDP's, and

@@ -79,6 +79,11 @@ def test_grids_and_their_selection() -> None:
         averaging_hosts.grid({"H": ["16"]})
     with pytest.raises(ValueError, match="config must be one of"):
         averaging_hosts.grid({"config": ["avg/16/lamb/int8"]})
+    assert across_hosts.selected_setting("hosts", {}) == "digits"
+    assert hosts.grid({"setting": ["wide"]}) == full  # the model changes, not the grid
+    for bad in (["huge"], ["digits", "wide"]):
+        with pytest.raises(ValueError, match=r"setting must be one of \('digits', 'wide'\)"):
+            hosts.grid({"setting": bad})
 
 
 def test_config_names_choose_mode_wire_and_servers() -> None:

@@ -100,3 +100,17 @@ def test_config_names_choose_mode_wire_and_servers() -> None:
         with pytest.raises(ValueError, match="unknown config"):
             parse_config(bad)
     assert set(hosts.CONFIGS) >= {"ivy_ps/dedicated", "ivy_ps/bfloat16/dedicated"}
+
+
+def test_the_selected_setting_reaches_every_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+
+    def rounds(jobs: Any, *, setting: str, **kwargs: Any) -> dict[str, Any]:
+        seen.append(setting)
+        return {"skipped": None, "runs": []}
+
+    monkeypatch.setattr(across_hosts, "run_rounds", rounds)
+    results = hosts.run(select={"setting": ["wide"], "rate": ["1gbit"], "slowdown": ["1"]})
+    assert seen == ["wide"] and results["setting"] == "wide"
+    assert "model setting wide" in hosts.format_table(results)
+    assert hosts.run(select={"rate": ["1gbit"]})["setting"] == "digits" and seen[-1] == "digits"

@@ -139,8 +139,9 @@ def run_selection(
         select = select or {}
         rounds = int(select.get("rounds", [str(rounds)])[-1])
         first = int(select.get("first_round", ["0"])[-1])  # more seeds later: their rounds join the earlier ones'
-        setting = selected_setting("hosts", select)
-        raw = run_rounds(grid(select), rounds=rounds, epochs=epochs, setting=setting, optimizer=optimizer, first=first)
+        jobs = grid(select)  # checks the selection, in the bench's own name
+        setting = select.get("setting", ["digits"])[0]
+        raw = run_rounds(jobs, rounds=rounds, epochs=epochs, setting=setting, optimizer=optimizer, first=first)
     return {
         "quick": quick,
         "select": select or {},

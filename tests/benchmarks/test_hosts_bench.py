@@ -84,6 +84,8 @@ def test_grids_and_their_selection() -> None:
     for bad in (["huge"], ["digits", "wide"]):
         with pytest.raises(ValueError, match=r"setting must be one of \('digits', 'wide'\)"):
             hosts.grid({"setting": bad})
+    with pytest.raises(ValueError, match="bench averaging_hosts: setting"):
+        averaging_hosts.run(select={"setting": ["huge"]})
 
 
 def test_config_names_choose_mode_wire_and_servers() -> None:

@@ -133,19 +133,20 @@ def run_selection(
 ) -> dict[str, Any]:
     """A host benchmark's results: its ``grid(select)`` for ``rounds`` rounds, or quick: ``quick_job`` once for
     one epoch on a small training set (a smoke run)."""
+    setting = "digits"
     if quick:
-        raw = run_rounds([quick_job], rounds=1, epochs=1, setting="digits", optimizer=optimizer, repeat=2, timeout=600)
+        raw = run_rounds([quick_job], rounds=1, epochs=1, setting=setting, optimizer=optimizer, repeat=2, timeout=600)
     else:
         select = select or {}
         rounds = int(select.get("rounds", [str(rounds)])[-1])
         first = int(select.get("first_round", ["0"])[-1])  # more seeds later: their rounds join the earlier ones'
         jobs = grid(select)  # checks the selection, in the bench's own name
-        setting = select.get("setting", ["digits"])[0]
+        setting = select.get("setting", [setting])[0]
         raw = run_rounds(jobs, rounds=rounds, epochs=epochs, setting=setting, optimizer=optimizer, first=first)
     return {
         "quick": quick,
         "select": select or {},
-        "setting": "digits" if quick else setting,
+        "setting": setting,
         "optimizer": optimizer,
         "skipped": raw["skipped"],
         "runs": raw["runs"],

@@ -33,17 +33,23 @@ def _worker_index() -> int:
     return int(name[2:]) + 1 if name.startswith("gw") and name[2:].isdigit() else 0
 
 
-def _ports() -> itertools.cycle[int]:
+def _range_start() -> int:
+    """This worker's first port, or 0 where no range fits below the ephemeral one (the kernel then chooses)."""
     slots = max(1, (_ephemeral_start() - _FIRST) // _SPAN)
     first = _FIRST + (_worker_index() % slots) * _SPAN
-    if first + _SPAN > _ephemeral_start():  # an unusual port range: fall back to the kernel's choice
+    return first if first + _SPAN <= _ephemeral_start() else 0
+
+
+def _ports(first: int) -> itertools.cycle[int]:
+    if first == 0:
         return itertools.cycle([0])
     # a random start: a test's own subprocess that draws ports too begins elsewhere in the range
     start = random.randrange(_SPAN)
     return itertools.cycle([first + (start + i) % _SPAN for i in range(_SPAN)])
 
 
-_PORTS = _ports()
+_RANGE_START = _range_start()
+_PORTS = _ports(_RANGE_START)
 
 
 def free_port() -> int:
@@ -57,7 +63,7 @@ def free_port() -> int:
             except OSError:
                 continue
             return int(s.getsockname()[1])
-    raise RuntimeError(f"no free port left in this test worker's range of {_SPAN} (from {_FIRST})")
+    raise RuntimeError(f"no free port in this test worker's range {_RANGE_START}..{_RANGE_START + _SPAN - 1}")
 
 
 def free_ports(n: int) -> list[int]:

@@ -24,8 +24,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.ports import free_port
 from tests.ps.failure_scenarios import killed_peer, parked_push_refused
-from tests.ps.harness import free_port, run_workers
+from tests.ps.harness import run_workers
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 3.0

@@ -196,7 +196,7 @@ def test_bad_options_are_refused_before_anything_listens(
 
 
 def test_a_killed_serve_ends_its_workers_naming_it_and_a_restart_from_its_state_dir_resumes(tmp_path: Path) -> None:
-    from tests.ps.harness import free_port
+    from tests.ports import free_port
 
     state, port = tmp_path / "state", str(free_port())
     args = ("--shards", "2", "--workers", "1", "--state-dir", str(state), "--snapshot-every", "0.3")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ps.harness import free_port
+from tests.ports import free_port
 from tests.ps.service_harness import serve
 
 from .test_example import run_script

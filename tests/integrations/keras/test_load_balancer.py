@@ -307,7 +307,10 @@ def test_mirrored_goodput_on_digits_is_not_slower_and_goodput_off_is_the_control
     # the estimate exists under MirroredStrategy and grows as the loss falls
     assert on_balancer.goodput_unavailable is None
     known = [n for n in on_balancer.noise_history if n is not None]
-    assert len(known) == epochs and all(n > 0 for n in known) and known[-1] > 2 * known[0], known
+    # (an epoch whose tr(Σ) estimate averages below zero reads 0: no measurable noise, B holds; which epochs do
+    # depends on when the balancer grew B, which its measured step times decide)
+    assert len(known) == epochs and all(n >= 0 for n in known), known  # NaN fails: nan >= 0 is False
+    assert max(known[len(known) // 2 :]) > 2 * known[0], known
     # the control: the same load, goodput off, grows at once; goodput on holds and says why
     assert [d[1:3] for d in off_balancer.decisions][:1] == [(64, 128)]
     assert not on_balancer.decisions or on_balancer.decisions[0][0] > 0

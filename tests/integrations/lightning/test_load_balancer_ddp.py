@@ -167,8 +167,12 @@ def test_goodput_balancer_is_not_slower_and_as_accurate(fits: dict[str, dict], s
     # (B|g_B|² - b|g_b|²)/(B - b) can average below zero for an epoch: then B_noise is unknown and B holds
     early = [h["noise_scale"] for h in balanced["history"][: EPOCHS[strategy] // 2]]
     assert all(n is not None and n > 0 for n in early), early
+    # an epoch whose tr(Σ) estimate averages below zero reads B_noise = 0 (no measurable noise: B holds); which
+    # epochs do depends on when the balancer grew B, which its measured step times decide (a loaded machine's)
     known = [h["noise_scale"] for h in balanced["history"] if h["noise_scale"] is not None]
-    assert all(n > 0 for n in known) and known[-1] > 2 * known[0], known
+    assert all(n >= 0 for n in known), known  # NaN fails: nan >= 0 is False
+    late = known[len(known) // 2 :]
+    assert late and max(late) > 2 * known[0], known
     if strategy == "ivy_ps_sync":  # sync PS = DDP's math on the same batches: the same first-epoch estimate
         ddp_first = fits["ddp_goodput"]["history"][0]["noise_scale"]
         first = balanced["history"][0]["noise_scale"]

@@ -33,6 +33,8 @@ PORT = 29710
 GRACE_S = 30.0
 #: the keys of ``--select`` for the host benchmarks
 SELECT_KEYS = ("rate", "slowdown", "config", "rounds", "first_round", "setting")
+#: the model of a selection without ``setting``, and of every quick run
+DEFAULT_SETTING = "digits"
 ENV = {
     "OMP_NUM_THREADS": "1",
     "PYTHONWARNINGS": "ignore",
@@ -108,7 +110,7 @@ def read_selection(
 def selected_setting(bench: str, select: dict[str, list[str]]) -> str:
     """The model of a ``--select`` (``setting=digits``, the default, or ``wide``: 64-2048-2048-10 at batch 16, where
     the link is a larger share of a step); one per run, as its rows are grouped without it."""
-    settings = select.get("setting", ["digits"])
+    settings = select.get("setting", [DEFAULT_SETTING])
     if len(settings) != 1 or settings[0] not in SETTINGS:
         raise ValueError(f"bench {bench}: setting must be one of {SETTINGS} (one per run), got {settings!r}")
     return settings[0]
@@ -122,6 +124,7 @@ def rates_at(slowdown: float, rates: list[str | None], slow_rate: str) -> list[s
 
 
 def run_selection(
+    bench: str,
     quick: bool,
     quick_job: GridJob,
     grid: Callable[[dict[str, list[str]]], list[GridJob]],
@@ -131,17 +134,17 @@ def run_selection(
     epochs: int,
     optimizer: str,
 ) -> dict[str, Any]:
-    """A host benchmark's results: its ``grid(select)`` for ``rounds`` rounds, or quick: ``quick_job`` once for
-    one epoch on a small training set (a smoke run)."""
-    setting = "digits"
+    """Host benchmark ``bench``'s results (errors name it): its ``grid(select)`` for ``rounds`` rounds, or quick:
+    ``quick_job`` once for one epoch on a small training set (a smoke run)."""
     if quick:
+        setting = DEFAULT_SETTING
         raw = run_rounds([quick_job], rounds=1, epochs=1, setting=setting, optimizer=optimizer, repeat=2, timeout=600)
     else:
         select = select or {}
         rounds = int(select.get("rounds", [str(rounds)])[-1])
         first = int(select.get("first_round", ["0"])[-1])  # more seeds later: their rounds join the earlier ones'
-        jobs = grid(select)  # checks the selection, in the bench's own name
-        setting = select.get("setting", [setting])[0]
+        jobs = grid(select)
+        setting = selected_setting(bench, select)
         raw = run_rounds(jobs, rounds=rounds, epochs=epochs, setting=setting, optimizer=optimizer, first=first)
     return {
         "quick": quick,

@@ -60,7 +60,9 @@ def grid(select: dict[str, list[str]]) -> list[GridJob]:
 def run(quick: bool = False, select: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """Quick: one round on the unlimited link, DDP and H=4 int8 with overlap, 1 epoch (a smoke run)."""
     quick_job: GridJob = (None, 1.0, ["ddp", "avg/4/nesterov/int8/overlap"])
-    results = run_selection(quick, quick_job, grid, select, rounds=ROUNDS, epochs=EPOCHS, optimizer=OPTIMIZER)
+    results = run_selection(
+        "averaging_hosts", quick, quick_job, grid, select, rounds=ROUNDS, epochs=EPOCHS, optimizer=OPTIMIZER
+    )
     return {**results, "targets": TARGETS}
 
 

@@ -48,7 +48,7 @@ def grid(select: dict[str, list[str]]) -> list[GridJob]:
 def run(quick: bool = False, select: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """Quick: one round, the unlimited link, DDP and async bf16, 1 epoch on a small training set (a smoke run)."""
     quick_job: GridJob = (None, 1.0, ["ddp", "ivy_ps/bfloat16"])
-    return run_selection(quick, quick_job, grid, select, rounds=ROUNDS, epochs=EPOCHS, optimizer=OPTIMIZER)
+    return run_selection("hosts", quick, quick_job, grid, select, rounds=ROUNDS, epochs=EPOCHS, optimizer=OPTIMIZER)
 
 
 def format_table(results: dict[str, Any]) -> str:

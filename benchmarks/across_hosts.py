@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ivyplug.benchmarks.averaging import SETTINGS
+from ivyplug.benchmarks import SelectionError
+from ivyplug.benchmarks.averaging import OPTIMIZERS, SETTINGS
 from ivyplug.benchmarks.emulated_hosts import DEVICE, Hosts, unavailable
 
 #: link speeds (``tc`` rates; None: unlimited)
@@ -32,9 +33,11 @@ RATES: tuple[str | None, ...] = (None, "1gbit", "100mbit")
 PORT = 29710
 GRACE_S = 30.0
 #: the keys of ``--select`` for the host benchmarks
-SELECT_KEYS = ("rate", "slowdown", "config", "rounds", "first_round", "setting")
+SELECT_KEYS = ("rate", "slowdown", "config", "rounds", "first_round", "setting", "optimizer")
 #: the model of a selection without ``setting``, and of every quick run
 DEFAULT_SETTING = "digits"
+#: the optimizer of a selection without ``optimizer``, and of every quick run: ivyplug's LAMB, in every configuration
+DEFAULT_OPTIMIZER = "lamb"
 ENV = {
     "OMP_NUM_THREADS": "1",
     "PYTHONWARNINGS": "ignore",
@@ -90,19 +93,20 @@ def read_selection(
     bench: str, select: dict[str, list[str]], configs: Sequence[str], slowdown: float
 ) -> tuple[list[str | None], list[float]]:
     """The rates and slowdowns of a ``--select`` (keys ``rate``, ``slowdown``, ``config``, ``rounds``,
-    ``first_round``, ``setting``), its names checked against ``RATES``, ``configs`` and the model settings; both
-    host benchmarks read it alike."""
+    ``first_round``, ``setting``, ``optimizer``), its names checked against ``RATES``, ``configs``, the model
+    settings and the optimizers; both host benchmarks read it alike."""
     unknown = sorted(set(select) - set(SELECT_KEYS))
     if unknown:
-        raise ValueError(f"bench {bench}: unknown selection key(s) {unknown}; known: {', '.join(SELECT_KEYS)}")
+        raise SelectionError(f"bench {bench}: unknown selection key(s) {unknown}; known: {', '.join(SELECT_KEYS)}")
     selected_setting(bench, select)
+    selected_optimizer(bench, select)
     names = {rate_name(r): r for r in RATES}
     for r in select.get("rate", []):
         if r not in names:
-            raise ValueError(f"bench {bench}: rate must be one of {sorted(names)}, got {r!r}")
+            raise SelectionError(f"bench {bench}: rate must be one of {sorted(names)}, got {r!r}")
     for c in select.get("config", []):
         if c not in configs:
-            raise ValueError(f"bench {bench}: config must be one of {tuple(configs)}, got {c!r}")
+            raise SelectionError(f"bench {bench}: config must be one of {tuple(configs)}, got {c!r}")
     rates = [names[r] for r in select.get("rate", [rate_name(r) for r in RATES])]
     return rates, [float(s) for s in select.get("slowdown", ["1", str(slowdown)])]
 
@@ -112,8 +116,23 @@ def selected_setting(bench: str, select: dict[str, list[str]]) -> str:
     the link is a larger share of a step); one per run, as its rows are grouped without it."""
     settings = select.get("setting", [DEFAULT_SETTING])
     if len(settings) != 1 or settings[0] not in SETTINGS:
-        raise ValueError(f"bench {bench}: setting must be one of {SETTINGS} (one per run), got {settings!r}")
+        raise SelectionError(f"bench {bench}: setting must be one of {SETTINGS} (one per run), got {settings!r}")
     return settings[0]
+
+
+def selected_optimizer(bench: str, select: dict[str, list[str]]) -> str:
+    """The optimizer of a ``--select`` (``optimizer=lamb``, the default, or ``adamw``; in the averaging
+    configurations the one inside ``LocalUpdates``): every configuration of a run trains with it, DDP too, so its
+    ratios compare like with like."""
+    optimizers = select.get("optimizer", [DEFAULT_OPTIMIZER])
+    if len(optimizers) != 1 or optimizers[0] not in OPTIMIZERS:
+        raise SelectionError(f"bench {bench}: optimizer must be one of {OPTIMIZERS} (one per run), got {optimizers!r}")
+    return optimizers[0]
+
+
+def optimizer_label(results: dict[str, Any]) -> str:
+    """How a results table's title names the run's optimizer."""
+    return {"lamb": "LAMB", "adamw": "AdamW"}[results.get("optimizer", DEFAULT_OPTIMIZER)]
 
 
 def rates_at(slowdown: float, rates: list[str | None], slow_rate: str) -> list[str | None]:
@@ -132,12 +151,11 @@ def run_selection(
     *,
     rounds: int,
     epochs: int,
-    optimizer: str,
 ) -> dict[str, Any]:
     """Host benchmark ``bench``'s results (errors name it): its ``grid(select)`` for ``rounds`` rounds, or quick:
     ``quick_job`` once for one epoch on a small training set (a smoke run)."""
     if quick:
-        setting = DEFAULT_SETTING
+        setting, optimizer = DEFAULT_SETTING, DEFAULT_OPTIMIZER
         raw = run_rounds([quick_job], rounds=1, epochs=1, setting=setting, optimizer=optimizer, repeat=2, timeout=600)
     else:
         select = select or {}
@@ -145,6 +163,7 @@ def run_selection(
         first = int(select.get("first_round", ["0"])[-1])  # more seeds later: their rounds join the earlier ones'
         jobs = grid(select)
         setting = selected_setting(bench, select)
+        optimizer = selected_optimizer(bench, select)
         raw = run_rounds(jobs, rounds=rounds, epochs=epochs, setting=setting, optimizer=optimizer, first=first)
     return {
         "quick": quick,

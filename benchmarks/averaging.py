@@ -28,12 +28,15 @@ import os
 import statistics
 from typing import Any
 
+from ivyplug.benchmarks import SelectionError
 from ivyplug.benchmarks.job_runner import run_job
 
 DESCRIPTION = "async model averaging (H x outer x wire) vs DDP and the PS on gradients, with a 3x slower worker"
 
 SLOWDOWN = 3.0
 SETTINGS = ("digits", "wide")
+#: the optimizers a benchmark job trains with (the one in ``LocalUpdates`` for local-update configurations)
+OPTIMIZERS = ("adamw", "lamb")
 SLOWDOWNS = (1.0, SLOWDOWN)
 SYNC_EVERY = (4, 16, 64)
 OUTERS = ("average", "nesterov", "lamb")
@@ -49,7 +52,7 @@ def _grid(select: dict[str, list[str]]) -> list[tuple[str, float, list[str]]]:
     """(setting, slowdown, configs) jobs of the selected subset."""
     unknown = sorted(set(select) - {"setting", "slowdown", "H", "outer", "wire", "avg"})
     if unknown:
-        raise ValueError(
+        raise SelectionError(
             f"bench averaging: unknown selection key(s) {unknown}; known: setting, slowdown, H, outer, wire, avg"
         )
     settings = select.get("setting", list(SETTINGS))
@@ -59,10 +62,10 @@ def _grid(select: dict[str, list[str]]) -> list[tuple[str, float, list[str]]]:
     wires = select.get("wire", list(DEFAULT_WIRES))
     for o in outers:
         if o not in OUTERS:
-            raise ValueError(f"bench averaging: outer must be one of {OUTERS}, got {o!r}")
+            raise SelectionError(f"bench averaging: outer must be one of {OUTERS}, got {o!r}")
     for w in wires:
         if w not in WIRES:
-            raise ValueError(f"bench averaging: wire must be one of {WIRES}, got {w!r}")
+            raise SelectionError(f"bench averaging: wire must be one of {WIRES}, got {w!r}")
     if "avg" in select:  # explicit averaging configs H/outer/wire instead of the product
         if {"H", "outer", "wire"} & set(select):
             raise ValueError("bench averaging: select avg=H/outer/wire or H, outer and wire, not both")

@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from ivyplug.benchmarks.averaging import OPTIMIZERS
 from ivyplug.benchmarks.ps_job import EpochClock, digits, quiet_trainer, slow_down
 from ivyplug.integrations.lightning.launchers import destroy_default_group
 from torch import nn
@@ -40,7 +41,6 @@ from ivyplug.localsgd.sync_period import SyncEvery
 SETTINGS: dict[str, tuple[int, int, int]] = {"digits": (1024, 256, 32), "wide": (2048, 16, 1)}
 LR = 1e-3
 LAMB_LR = 1e-2
-OPTIMIZERS = ("adamw", "lamb")
 
 
 class AveragingMLP(pl.LightningModule):

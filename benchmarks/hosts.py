@@ -7,7 +7,8 @@ Two emulated hosts (network namespaces with their own ``/dev/shm``, one Lightnin
 server process on host 0 (``/dedicated``: host 0's worker pushes through shared memory, only host 1's crosses the
 link), without and with host 1's worker 3x slower at compute (at 100 Mbit/s). The digits MLP 64-1024-1024-10
 (1.13M parameters) at batch 256, 4 epochs, 3 interleaved rounds (seeds 0-2); ``--select setting=wide``: the MLP
-64-2048-2048-10 (4.35M parameters) at batch 16, where the link is a larger share of a step.
+64-2048-2048-10 (4.35M parameters) at batch 16, where the link is a larger share of a step; ``--select
+optimizer=adamw``: torch's AdamW in every configuration instead of LAMB.
 
 Columns: the median epoch time and its ratio to DDP's, the bytes over host 0's link (the interface's own
 counters, both directions), the final validation accuracy (mean of the seeds) and its distance to DDP's, and
@@ -19,7 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ivyplug.benchmarks.across_hosts import GridJob, format_rows, rates_at, read_selection, run_selection
+from ivyplug.benchmarks.across_hosts import (
+    GridJob,
+    format_rows,
+    optimizer_label,
+    rates_at,
+    read_selection,
+    run_selection,
+)
 
 DESCRIPTION = (
     "2 emulated hosts, unlimited / 1 Gbit/s / 100 Mbit/s links: DDP vs ivy_ps sync and async (co-located or "
@@ -33,7 +41,6 @@ CONFIGS = (
 SLOWDOWN = 3.0
 SLOW_RATE = "100mbit"
 ROUNDS, EPOCHS = 3, 4
-OPTIMIZER = "lamb"
 
 
 def grid(select: dict[str, list[str]]) -> list[GridJob]:
@@ -48,10 +55,13 @@ def grid(select: dict[str, list[str]]) -> list[GridJob]:
 def run(quick: bool = False, select: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """Quick: one round, the unlimited link, DDP and async bf16, 1 epoch on a small training set (a smoke run)."""
     quick_job: GridJob = (None, 1.0, ["ddp", "ivy_ps/bfloat16"])
-    return run_selection("hosts", quick, quick_job, grid, select, rounds=ROUNDS, epochs=EPOCHS, optimizer=OPTIMIZER)
+    return run_selection("hosts", quick, quick_job, grid, select, rounds=ROUNDS, epochs=EPOCHS)
 
 
 def format_table(results: dict[str, Any]) -> str:
     quick = ", QUICK: not a measurement" if results["quick"] else ""
-    title = f"ivyplug bench hosts (2 emulated hosts, one worker each, LAMB, slow worker {SLOWDOWN:g}x{quick})"
+    title = (
+        f"ivyplug bench hosts (2 emulated hosts, one worker each, {optimizer_label(results)}, "
+        f"slow worker {SLOWDOWN:g}x{quick})"
+    )
     return format_rows(title, results)

@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from ivyplug.benchmarks import SelectionError
+
 NAME = "bench"
 HELP = "run a benchmark (medians and side-by-side ratios) and optionally write JSON results"
 
@@ -51,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=V1,V2",
         help=(
             "averaging, averaging_hosts, hosts: run a subset of the grid (averaging: keys setting, slowdown, H, "
-            "outer, wire; the hosts ones: rate, slowdown, config, rounds, first_round; repeatable)"
+            "outer, wire; the hosts ones: rate, slowdown, config, rounds, first_round, setting, optimizer; repeatable)"
         ),
     )
 
@@ -87,8 +89,19 @@ def run(args: argparse.Namespace) -> int:
                 print(f"ivyplug bench {args.name}: --select takes KEY=V1,V2, got {item!r}", file=sys.stderr)
                 return 2
             select.setdefault(key, []).extend(values.split(","))
+        if args.quick:
+            print(
+                f"ivyplug bench {args.name}: --quick runs one fixed smoke job and --select chooses the jobs of a "
+                "full run; pass one of them",
+                file=sys.stderr,
+            )
+            return 2
         extra["select"] = select
-    results = module.run(quick=args.quick, **extra)
+    try:
+        results = module.run(quick=args.quick, **extra)
+    except SelectionError as exc:  # raised before any job starts: the message names the key and what is allowed
+        print(f"ivyplug {exc}", file=sys.stderr)
+        return 2
     print(module.format_table(results))
     text = json.dumps(results, indent=2, default=str)
     if args.json:

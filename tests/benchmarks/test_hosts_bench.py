@@ -104,15 +104,23 @@ def test_config_names_choose_mode_wire_and_servers() -> None:
     assert set(hosts.CONFIGS) >= {"ivy_ps/dedicated", "ivy_ps/bfloat16/dedicated"}
 
 
-def test_the_selected_setting_reaches_every_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[str] = []
+def test_the_selected_setting_and_optimizer_reach_every_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, str]] = []
 
-    def rounds(jobs: Any, *, setting: str, **kwargs: Any) -> dict[str, Any]:
-        seen.append(setting)
+    def rounds(jobs: Any, *, setting: str, optimizer: str, **kwargs: Any) -> dict[str, Any]:
+        seen.append((setting, optimizer))
         return {"skipped": None, "runs": []}
 
     monkeypatch.setattr(across_hosts, "run_rounds", rounds)
     results = hosts.run(select={"setting": ["wide"], "rate": ["1gbit"], "slowdown": ["1"]})
-    assert seen == ["wide"] and results["setting"] == "wide"
-    assert "model setting wide" in hosts.format_table(results)
-    assert hosts.run(select={"rate": ["1gbit"]})["setting"] == "digits" and seen[-1] == "digits"
+    assert seen == [("wide", "lamb")] and results["setting"] == "wide" and results["optimizer"] == "lamb"
+    assert "model setting wide" in hosts.format_table(results) and "one worker each, LAMB," in hosts.format_table(
+        results
+    )
+    assert hosts.run(select={"rate": ["1gbit"]})["setting"] == "digits" and seen[-1] == ("digits", "lamb")
+    results = averaging_hosts.run(select={"optimizer": ["adamw"], "rate": ["1gbit"], "slowdown": ["1"]})
+    assert seen[-1] == ("digits", "adamw") and "AdamW in LocalUpdates" in averaging_hosts.format_table(results)
+    for bad in (["sgd"], ["lamb", "adamw"]):
+        with pytest.raises(ValueError, match=r"bench hosts: optimizer must be one of \('adamw', 'lamb'\)"):
+            hosts.run(select={"optimizer": bad})
+    assert len(seen) == 3  # a bad selection is refused before any job starts

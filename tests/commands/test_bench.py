@@ -1,0 +1,53 @@
+"""``ivyplug bench``'s own errors: a selection a benchmark cannot run ends with a message and exit 2, no job started."""
+
+from __future__ import annotations
+
+import pytest
+from ivyplug.benchmarks import across_hosts
+
+from ivyplug.cli import main
+
+
+@pytest.fixture
+def no_jobs(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The host benchmarks' runs, recorded instead of started."""
+    started: list[object] = []
+    monkeypatch.setattr(across_hosts, "run_rounds", lambda *a, **k: started.append(a) or {"skipped": None, "runs": []})
+    return started
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["hosts", "--select", "rate=10mbit"],
+            "ivyplug bench hosts: rate must be one of ['100mbit', '1gbit', 'unlimited']",
+        ),
+        (["hosts", "--select", "optimizer=sgd"], "ivyplug bench hosts: optimizer must be one of ('adamw', 'lamb')"),
+        (
+            ["averaging_hosts", "--select", "wire=int8"],
+            "ivyplug bench averaging_hosts: unknown selection key(s) ['wire']",
+        ),
+        (["averaging", "--select", "outer=sgd"], "ivyplug bench averaging: outer must be one of"),
+        (["hosts", "--quick", "--select", "rate=1gbit"], "ivyplug bench hosts: --quick runs one fixed smoke job"),
+        (["hosts", "--select", "rate"], "ivyplug bench hosts: --select takes KEY=V1,V2, got 'rate'"),
+        (
+            ["lamb", "--select", "rate=1gbit"],
+            "ivyplug bench lamb: --select applies to averaging and the hosts benchmarks",
+        ),
+    ],
+)
+def test_a_selection_it_cannot_run_is_refused_with_its_reason(
+    argv: list[str], message: str, no_jobs: list[object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert no_jobs == []
+
+
+def test_a_valid_selection_runs(no_jobs: list[object], capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["bench", "hosts", "--select", "rate=1gbit", "--select", "slowdown=1", "--select", "optimizer=adamw"]) == 0
+    )
+    assert len(no_jobs) == 1 and "one worker each, AdamW," in capsys.readouterr().out

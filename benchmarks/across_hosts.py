@@ -114,20 +114,22 @@ def read_selection(
 def selected_setting(bench: str, select: dict[str, list[str]]) -> str:
     """The model of a ``--select`` (``setting=digits``, the default, or ``wide``: 64-2048-2048-10 at batch 16, where
     the link is a larger share of a step); one per run, as its rows are grouped without it."""
-    settings = select.get("setting", [DEFAULT_SETTING])
-    if len(settings) != 1 or settings[0] not in SETTINGS:
-        raise SelectionError(f"bench {bench}: setting must be one of {SETTINGS} (one per run), got {settings!r}")
-    return settings[0]
+    return _one_per_run(bench, select, "setting", SETTINGS, DEFAULT_SETTING)
 
 
 def selected_optimizer(bench: str, select: dict[str, list[str]]) -> str:
     """The optimizer of a ``--select`` (``optimizer=lamb``, the default, or ``adamw``; in the averaging
     configurations the one inside ``LocalUpdates``): every configuration of a run trains with it, DDP too, so its
     ratios compare like with like."""
-    optimizers = select.get("optimizer", [DEFAULT_OPTIMIZER])
-    if len(optimizers) != 1 or optimizers[0] not in OPTIMIZERS:
-        raise SelectionError(f"bench {bench}: optimizer must be one of {OPTIMIZERS} (one per run), got {optimizers!r}")
-    return optimizers[0]
+    return _one_per_run(bench, select, "optimizer", OPTIMIZERS, DEFAULT_OPTIMIZER)
+
+
+def _one_per_run(bench: str, select: dict[str, list[str]], key: str, allowed: tuple[str, ...], default: str) -> str:
+    """The one value of ``key`` a run takes (``default`` where the selection does not name it)."""
+    values = select.get(key, [default])
+    if len(values) != 1 or values[0] not in allowed:
+        raise SelectionError(f"bench {bench}: {key} must be one of {allowed} (one per run), got {values!r}")
+    return values[0]
 
 
 def optimizer_label(results: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ivyplug.benchmarks import SelectionError
+from ivyplug.benchmarks import SelectionError, selected_numbers
 from ivyplug.benchmarks.averaging import OPTIMIZERS, SETTINGS
 from ivyplug.benchmarks.emulated_hosts import DEVICE, Hosts, unavailable
 
@@ -108,7 +108,7 @@ def read_selection(
         if c not in configs:
             raise SelectionError(f"bench {bench}: config must be one of {tuple(configs)}, got {c!r}")
     rates = [names[r] for r in select.get("rate", [rate_name(r) for r in RATES])]
-    return rates, [float(s) for s in select.get("slowdown", ["1", str(slowdown)])]
+    return rates, selected_numbers(bench, select, "slowdown", ["1", str(slowdown)], float)
 
 
 def selected_setting(bench: str, select: dict[str, list[str]]) -> str:
@@ -121,7 +121,7 @@ def selected_optimizer(bench: str, select: dict[str, list[str]]) -> str:
     """The optimizer of a ``--select`` (``optimizer=lamb``, the default, or ``adamw``; in the averaging
     configurations the one inside ``LocalUpdates``): every configuration of a run trains with it, DDP too, so its
     ratios compare like with like."""
-    return _one_per_run(bench, select, "optimizer", OPTIMIZERS, DEFAULT_OPTIMIZER)
+    return _one_per_run(bench, select, "optimizer", tuple(OPTIMIZERS), DEFAULT_OPTIMIZER)
 
 
 def _one_per_run(bench: str, select: dict[str, list[str]], key: str, allowed: tuple[str, ...], default: str) -> str:
@@ -134,7 +134,7 @@ def _one_per_run(bench: str, select: dict[str, list[str]], key: str, allowed: tu
 
 def optimizer_label(results: dict[str, Any]) -> str:
     """How a results table's title names the run's optimizer."""
-    return {"lamb": "LAMB", "adamw": "AdamW"}[results.get("optimizer", DEFAULT_OPTIMIZER)]
+    return OPTIMIZERS[results.get("optimizer", DEFAULT_OPTIMIZER)]
 
 
 def rates_at(slowdown: float, rates: list[str | None], slow_rate: str) -> list[str | None]:
@@ -161,8 +161,8 @@ def run_selection(
         raw = run_rounds([quick_job], rounds=1, epochs=1, setting=setting, optimizer=optimizer, repeat=2, timeout=600)
     else:
         select = select or {}
-        rounds = int(select.get("rounds", [str(rounds)])[-1])
-        first = int(select.get("first_round", ["0"])[-1])  # more seeds later: their rounds join the earlier ones'
+        rounds = selected_numbers(bench, select, "rounds", [str(rounds)], int)[-1]
+        first = selected_numbers(bench, select, "first_round", ["0"], int)[-1]  # more seeds: they join the earlier
         jobs = grid(select)
         setting = selected_setting(bench, select)
         optimizer = selected_optimizer(bench, select)

@@ -28,7 +28,7 @@ import os
 import statistics
 from typing import Any
 
-from ivyplug.benchmarks import SelectionError
+from ivyplug.benchmarks import SelectionError, selected_numbers
 from ivyplug.benchmarks.job_runner import run_job
 
 DESCRIPTION = "async model averaging (H x outer x wire) vs DDP and the PS on gradients, with a 3x slower worker"
@@ -36,7 +36,7 @@ DESCRIPTION = "async model averaging (H x outer x wire) vs DDP and the PS on gra
 SLOWDOWN = 3.0
 SETTINGS = ("digits", "wide")
 #: the optimizers a benchmark job trains with (the one in ``LocalUpdates`` for local-update configurations)
-OPTIMIZERS = ("adamw", "lamb")
+OPTIMIZERS = {"adamw": "AdamW", "lamb": "LAMB"}  # name -> how a table names it
 SLOWDOWNS = (1.0, SLOWDOWN)
 SYNC_EVERY = (4, 16, 64)
 OUTERS = ("average", "nesterov", "lamb")
@@ -56,8 +56,8 @@ def _grid(select: dict[str, list[str]]) -> list[tuple[str, float, list[str]]]:
             f"bench averaging: unknown selection key(s) {unknown}; known: setting, slowdown, H, outer, wire, avg"
         )
     settings = select.get("setting", list(SETTINGS))
-    slowdowns = [float(s) for s in select.get("slowdown", [str(s) for s in SLOWDOWNS])]
-    hs = [int(h) for h in select.get("H", [str(h) for h in SYNC_EVERY])]
+    slowdowns = selected_numbers("averaging", select, "slowdown", [str(s) for s in SLOWDOWNS], float)
+    hs = selected_numbers("averaging", select, "H", [str(h) for h in SYNC_EVERY], int)
     outers = select.get("outer", list(OUTERS))
     wires = select.get("wire", list(DEFAULT_WIRES))
     for o in outers:
@@ -68,11 +68,11 @@ def _grid(select: dict[str, list[str]]) -> list[tuple[str, float, list[str]]]:
             raise SelectionError(f"bench averaging: wire must be one of {WIRES}, got {w!r}")
     if "avg" in select:  # explicit averaging configs H/outer/wire instead of the product
         if {"H", "outer", "wire"} & set(select):
-            raise ValueError("bench averaging: select avg=H/outer/wire or H, outer and wire, not both")
+            raise SelectionError("bench averaging: select avg=H/outer/wire or H, outer and wire, not both")
         for c in select["avg"]:
             h, o, w = [*c.split("/"), "", "", ""][:3]
             if not h.isdigit() or int(h) < 1 or not _outer_ok(o) or w not in WIRES or c.count("/") != 2:
-                raise ValueError(
+                raise SelectionError(
                     f"bench averaging: avg= takes H/outer[@outer_lr[@outer_momentum]]/wire "
                     f"(e.g. 16/nesterov/bfloat16 or 16/nesterov@0.35@0.9/float32), got {c!r}"
                 )

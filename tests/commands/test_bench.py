@@ -31,6 +31,10 @@ def no_jobs(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         (["averaging", "--select", "outer=sgd"], "ivyplug bench averaging: outer must be one of"),
         (["hosts", "--quick", "--select", "rate=1gbit"], "ivyplug bench hosts: --quick runs one fixed smoke job"),
         (["hosts", "--select", "rate"], "ivyplug bench hosts: --select takes KEY=V1,V2, got 'rate'"),
+        (["hosts", "--select", "slowdown=3x"], "ivyplug bench hosts: slowdown takes float values, got ['3x']"),
+        (["hosts", "--select", "rounds=two"], "ivyplug bench hosts: rounds takes int values, got ['two']"),
+        (["averaging", "--select", "H=16,x"], "ivyplug bench averaging: H takes int values, got ['16', 'x']"),
+        (["averaging", "--select", "avg=16/sgd/float32"], "ivyplug bench averaging: avg= takes H/outer"),
         (
             ["lamb", "--select", "rate=1gbit"],
             "ivyplug bench lamb: --select applies to averaging and the hosts benchmarks",

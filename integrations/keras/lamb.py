@@ -13,9 +13,8 @@ Keras traps this class works around (checked on Keras 3.15.1, TensorFlow backend
 
 from __future__ import annotations
 
-import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -23,23 +22,12 @@ from ivyplug.integrations.keras import autoregister as _autoregister
 from keras import ops
 
 from ivyplug.name_patterns import check_patterns, matches_any
+from ivyplug.optim.lamb_hyper import check_flag, check_real, check_trust_bounds
 
 __all__ = ["LAMB"]
 
 _CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_ and ivyplug.optim.LAMB
 _INT_COUNTER_DTYPE = "int"  # int64 on TensorFlow, int32 on JAX (the base class's own iteration dtype)
-
-
-def _check_number(
-    name: str, value: Any, allowed: str, ok: Callable[[float], bool], *, allow_inf: bool = False
-) -> float:
-    """``float(value)`` when it is a real number that passes ``ok``; otherwise a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    number = float(value)
-    if math.isnan(number) or (math.isinf(number) and not allow_inf) or not ok(number):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    return number
 
 
 def _constant(value: float, dtype: Any) -> Any:
@@ -161,26 +149,16 @@ class LAMB(keras.optimizers.Optimizer):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if isinstance(learning_rate, numbers.Real) and not isinstance(learning_rate, bool):
-            learning_rate = _check_number("learning_rate", learning_rate, "a finite float >= 0", lambda x: x >= 0)
-        beta_1 = _check_number("beta_1", beta_1, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
-        beta_2 = _check_number("beta_2", beta_2, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
-        epsilon = _check_number("epsilon", epsilon, "a finite float >= 0", lambda x: x >= 0)
-        weight_decay = _check_number("weight_decay", weight_decay, "a finite float >= 0", lambda x: x >= 0)
-        if not isinstance(bias_correction, bool):
-            raise ValueError(f"bias_correction must be True or False, got {bias_correction!r}")
-        max_trust_ratio = _check_number(
-            "max_trust_ratio", max_trust_ratio, "a float > 0 (inf allowed)", lambda x: x > 0, allow_inf=True
-        )
-        min_trust_ratio = _check_number(
-            "min_trust_ratio", min_trust_ratio, f"in [0, max_trust_ratio={max_trust_ratio}]", lambda x: x >= 0
-        )
-        if min_trust_ratio > max_trust_ratio:
-            raise ValueError(
-                f"min_trust_ratio must be in [0, max_trust_ratio={max_trust_ratio}], got {min_trust_ratio!r}"
-            )
+        if isinstance(learning_rate, numbers.Real):  # a bool too: refused, as the torch twin does
+            learning_rate = check_real("learning_rate", learning_rate, "a finite float >= 0", lambda x: x >= 0)
+        beta_1 = check_real("beta_1", beta_1, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
+        beta_2 = check_real("beta_2", beta_2, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
+        epsilon = check_real("epsilon", epsilon, "a finite float >= 0", lambda x: x >= 0)
+        weight_decay = check_real("weight_decay", weight_decay, "a finite float >= 0", lambda x: x >= 0)
+        check_flag("bias_correction", bias_correction)
+        min_trust_ratio, max_trust_ratio = check_trust_bounds(min_trust_ratio, max_trust_ratio)
         if max_grad_norm is not None:
-            max_grad_norm = _check_number("max_grad_norm", max_grad_norm, "None or a finite float > 0", lambda x: x > 0)
+            max_grad_norm = check_real("max_grad_norm", max_grad_norm, "None or a finite float > 0", lambda x: x > 0)
         layer_patterns = check_patterns("exclude_from_layer_adaptation", exclude_from_layer_adaptation)
         decay_patterns = check_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
 

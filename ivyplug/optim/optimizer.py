@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ivyplug.optim.functional import Workspace, global_grad_norm, lamb, resolve_foreach
-from ivyplug.optim.lamb_hyper import LambHyper
+from ivyplug.optim.lamb_hyper import LambHyper, check_flag, check_real, check_trust_bounds
 
 __all__ = ["LAMB"]
 
@@ -69,32 +69,21 @@ def _step_counter(value: object) -> Tensor:
 
 
 def _check_group(group: dict[str, Any]) -> None:
-    """ValueError naming the first invalid hyperparameter of a param group."""
+    """ValueError naming the first invalid hyperparameter of a param group (the Keras LAMB's checks and words)."""
     lr = group["lr"]
-    if isinstance(lr, Tensor) or not isinstance(lr, (int, float)) or not lr >= 0.0:
-        raise ValueError(f"lr must be a float >= 0, got {lr!r}")
+    if isinstance(lr, Tensor):
+        raise ValueError(f"lr must be a finite float >= 0, got {lr!r}")
+    check_real("lr", lr, "a finite float >= 0", lambda x: x >= 0)
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
-        if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
-    eps = group["eps"]
-    if not isinstance(eps, (int, float)) or not eps >= 0.0 or not math.isfinite(eps):
-        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
-    wd = group["weight_decay"]
-    if not isinstance(wd, (int, float)) or not wd >= 0.0 or not math.isfinite(wd):
-        raise ValueError(f"weight_decay must be a finite float >= 0, got {wd!r}")
-    lo, hi = group["min_trust_ratio"], group["max_trust_ratio"]
-    if not isinstance(lo, (int, float)) or not lo >= 0.0 or not math.isfinite(lo):
-        raise ValueError(f"min_trust_ratio must be a finite float >= 0, got {lo!r}")
-    if not isinstance(hi, (int, float)) or not hi > 0.0:
-        raise ValueError(f"max_trust_ratio must be a float > 0 (inf allowed), got {hi!r}")
-    if lo > hi:
-        raise ValueError(f"min_trust_ratio ({lo!r}) must be <= max_trust_ratio ({hi!r})")
+        check_real(f"betas[{i}]", b, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
+    check_real("eps", group["eps"], "a finite float >= 0", lambda x: x >= 0)
+    check_real("weight_decay", group["weight_decay"], "a finite float >= 0", lambda x: x >= 0)
+    check_trust_bounds(group["min_trust_ratio"], group["max_trust_ratio"])
     for name in ("bias_correction", "exclude_from_layer_adaptation"):
-        if not isinstance(group[name], bool):
-            raise ValueError(f"{name} must be a bool, got {group[name]!r}")
+        check_flag(name, group[name])
     if group["foreach"] not in (None, True, False):
         raise ValueError(f"foreach must be None, True or False, got {group['foreach']!r}")
 
@@ -125,13 +114,8 @@ class LAMB(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         foreach: bool | None = None,
     ) -> None:
-        if max_grad_norm is not None and (
-            isinstance(max_grad_norm, bool)
-            or not isinstance(max_grad_norm, (int, float))
-            or not max_grad_norm > 0.0
-            or not math.isfinite(max_grad_norm)
-        ):
-            raise ValueError(f"max_grad_norm must be None or a finite float > 0, got {max_grad_norm!r}")
+        if max_grad_norm is not None:
+            check_real("max_grad_norm", max_grad_norm, "None or a finite float > 0", lambda x: x > 0)
         defaults: dict[str, Any] = {
             "lr": lr,
             "betas": tuple(betas) if isinstance(betas, (tuple, list)) else betas,

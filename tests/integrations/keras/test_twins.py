@@ -156,3 +156,37 @@ def test_lamb_exclusions_select_the_same_layers() -> None:
     assert as_torch_names(keras_adapt) == torch_adapt == expected_adapt
     expected_decay = {"fc.weight": True, "fc.bias": True, "head.weight": False, "head.bias": False}
     assert as_torch_names(keras_decay) == torch_decay == expected_decay
+
+
+#: a bad value, as (the torch LAMB's keyword, the Keras LAMB's keyword, the value, the name in the message)
+BAD_LAMB_VALUES = [
+    ({"lr": float("inf")}, {"learning_rate": float("inf")}, "a finite float >= 0, got inf"),
+    ({"lr": True}, {"learning_rate": True}, "a finite float >= 0, got True"),
+    ({"betas": (1.0, 0.999)}, {"beta_1": 1.0}, "in [0, 1), got 1.0"),
+    ({"eps": float("nan")}, {"epsilon": float("nan")}, "a finite float >= 0, got nan"),
+    ({"weight_decay": -0.1}, {"weight_decay": -0.1}, "weight_decay must be a finite float >= 0, got -0.1"),
+    ({"bias_correction": 1}, {"bias_correction": 1}, "bias_correction must be True or False, got 1"),
+    ({"max_trust_ratio": 0.0}, {"max_trust_ratio": 0.0}, "max_trust_ratio must be a float > 0 (inf allowed), got 0.0"),
+    ({"min_trust_ratio": float("inf")}, {"min_trust_ratio": float("inf")}, "min_trust_ratio must be a finite float"),
+    (
+        {"min_trust_ratio": 2.0, "max_trust_ratio": 1.0},
+        {"min_trust_ratio": 2.0, "max_trust_ratio": 1.0},
+        "min_trust_ratio (2.0) must be <= max_trust_ratio (1.0)",
+    ),
+    ({"max_grad_norm": float("inf")}, {"max_grad_norm": float("inf")}, "None or a finite float > 0, got inf"),
+]
+
+
+@pytest.mark.parametrize(("torch_kwargs", "keras_kwargs", "message"), BAD_LAMB_VALUES)
+def test_both_lambs_refuse_a_bad_value_with_the_same_words(
+    torch_kwargs: dict[str, Any], keras_kwargs: dict[str, Any], message: str
+) -> None:
+    import torch
+    from ivyplug.integrations.keras import LAMB as KerasLAMB
+
+    from ivyplug.optim import LAMB as TorchLAMB
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TorchLAMB([torch.nn.Parameter(torch.zeros(2))], **torch_kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        KerasLAMB(**keras_kwargs)

@@ -27,6 +27,7 @@ sync mode every exchange is a step of all workers together: give them the same s
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -128,7 +129,9 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         mode, staleness, staleness_scaling, timeout, nonfinite: as for :class:`ivyplug.ps.PSConfig` (checked
             here, before ``fit`` starts); ``staleness_scaling``, ``timeout`` and ``nonfinite`` left at ``None``
             come from ``[tool.ivyplug.ps]`` / ``IVYPLUG_PS_*`` (:mod:`ivyplug.settings`), as for ``IvyPSStrategy``,
-            else ``"inverse"``, the PS's default timeout and ``"skip"``.
+            else ``"inverse"``, the PS's default timeout and ``"skip"``. ``timeout`` also bounds the rendezvous of
+            the gloo group the callback makes from torchrun's environment. There is no ``num_servers``: one
+            co-located shard per worker, or an ``ivyplug serve`` (a project's ``num_servers`` is warned about).
         servers: ``"host:port"`` of an ``ivyplug serve`` (also ``$IVYPLUG_PS_SERVERS``). Each Keras process
             started on its own is then one worker of the servers' job, without torchrun or a process group;
             the servers' ``--workers`` slots set the default merge rate (1/slots in async/ssp).
@@ -140,8 +143,11 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             memory, only their headers over gloo (with a bf16 or int ``wire_dtype``: in fp32, in a job across
             hosts; on one host the wire stays gloo); ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY``).
 
-    At each epoch's end it adds ``ivy/rank{r}/sync_every`` (the worker's current local steps per exchange) and,
-    with ``overlap``, ``ivy/rank{r}/overlap_wait_s`` to ``fit``'s logs, as the Lightning strategy logs them.
+    At each epoch's end it adds this worker's PS counters to ``fit``'s logs under the names the Lightning strategy
+    logs them with: ``ivy/rank{r}/pushes``, ``pulls``, ``staleness_mean``, ``staleness_max``, ``bytes_sent``,
+    ``bytes_received``, ``wait_seconds``, ``nonfinite_skipped`` (:meth:`ivyplug.ps.PSClient.metrics`), the worker's
+    current local steps per exchange ``ivy/rank{r}/sync_every`` and, with ``overlap``, ``ivy/rank{r}/overlap_wait_s``.
+    Each Keras process logs its own rank's (Lightning gathers every rank's for rank 0's loggers).
     """
 
     def __init__(
@@ -157,6 +163,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         shared_memory: bool | None = None,
     ) -> None:
         super().__init__()
+        _warn_unused_num_servers()
         self.config = PSConfig.from_settings(
             mode=mode,
             staleness=staleness,
@@ -184,8 +191,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         return self._delta.exchanges if self._delta is not None else 0
 
     @property
-    def discarded(self) -> int:
-        """Non-finite deltas that were pushed as zero."""
+    def discarded_exchanges(self) -> int:
+        """Deltas holding a NaN/Inf that the PS dropped whole (``nonfinite="skip"``), as the torch twin counts them."""
         return self._delta.discarded if self._delta is not None else 0
 
     # -- start and stop ---------------------------------------------------------------------------
@@ -214,16 +221,30 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         return world
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        from ivyplug.localsgd.delta_exchange import check_overlap_mode
+
+        optimizer = self.model.optimizer
+        if not isinstance(optimizer, AsyncLAMB):
+            raise ValueError(f"AsyncLAMBExchange needs a model compiled with AsyncLAMB, got {type(optimizer).__name__}")
+        check_overlap_mode(bool(optimizer.overlap), self.config.mode)  # before any group or server starts
+        world = self._join_workers()
+        try:
+            self._start(optimizer, world)
+        except BaseException as exc:
+            try:  # a failed start leaves no client, thread or process group behind for the next fit
+                self._stop()
+            except Exception as cleanup:  # the start's error is the one to see
+                exc.add_note(f"AsyncLAMBExchange: cleaning up after the failed start failed too: {cleanup}")
+            raise
+
+    def _start(self, optimizer: AsyncLAMB, world: int) -> None:
+        """Mirror the variables, start the PS client over them and pull the global copy."""
         import torch
 
         from ivyplug.localsgd.delta_exchange import DeltaExchange
         from ivyplug.localsgd.sync_period import SyncPeriod
         from ivyplug.ps import PSClient
 
-        optimizer = self.model.optimizer
-        if not isinstance(optimizer, AsyncLAMB):
-            raise ValueError(f"AsyncLAMBExchange needs a model compiled with AsyncLAMB, got {type(optimizer).__name__}")
-        world = self._join_workers()
         params = list(self.model.trainable_variables)
         buffers = [v for v in self.model.non_trainable_variables if np.issubdtype(np.dtype(v.dtype), np.floating)]
         self._variables = params + buffers
@@ -253,14 +274,21 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         try:
             self._meet()
         finally:
-            self.client.close()
+            self._stop()
+
+    def _stop(self) -> None:
+        """Close the client and drop the process group this callback made, whatever of them exists."""
+        try:
+            if self.client is not None:
+                self.client.close()
+        finally:
             self.client = None
             self._in_fit = False
             if self._own_group:
                 import torch.distributed as dist
 
-                dist.destroy_process_group()
                 self._own_group = False
+                dist.destroy_process_group()
 
     # -- exchanges --------------------------------------------------------------------------------
     def _sync_state(self) -> None:
@@ -306,6 +334,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._period.retune()
         if logs is not None:
             rank = self.client.rank
+            logs.update({f"ivy/rank{rank}/{name}": value for name, value in self.client.metrics().items()})
             logs[f"ivy/rank{rank}/sync_every"] = float(self._period.value)
             if self._overlap:
                 logs[f"ivy/rank{rank}/overlap_wait_s"] = float(self._delta.wait_seconds)
@@ -329,6 +358,21 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._in_fit and self.client is not None:  # validation inside fit sees the global model
             self._meet()
+
+
+def _warn_unused_num_servers() -> None:
+    """The project's ``num_servers`` (for ``IvyPSStrategy``) has no Keras counterpart: say so rather than ignore it."""
+    from ivyplug import settings
+
+    num_servers = settings.project_defaults("ps").get("num_servers")
+    if num_servers:
+        warnings.warn(
+            f"AsyncLAMBExchange: the project's num_servers={num_servers} ([tool.ivyplug.ps] or IVYPLUG_PS_NUM_SERVERS) "
+            "is not used: the Keras exchange runs one co-located shard per worker, or joins an ivyplug serve "
+            "(servers=)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _to_numpy(variable: Any) -> np.ndarray:

@@ -221,6 +221,15 @@ def check_overlap(value: object) -> bool:
     return value
 
 
+def check_overlap_mode(overlap: bool, mode: str) -> None:
+    """Refuse ``overlap=True`` in ssp mode (ValueError naming both), before any process group or server starts."""
+    if overlap and mode == "ssp":
+        raise ValueError(
+            "overlap=True runs in mode='sync' or 'async': in ssp a push in flight may wait on the clock for a "
+            "worker that waits for this one's batches; use overlap=False with ssp"
+        )
+
+
 def _pairs(items: Sequence[Any], what: str) -> list[tuple[str | None, Tensor]]:
     out: list[tuple[str | None, Tensor]] = []
     for i, item in enumerate(items):
@@ -299,11 +308,7 @@ class DeltaExchange:
         """
         if rule is not None:
             self.rule = rule
-        if self.overlap and mode == "ssp":
-            raise ValueError(
-                "overlap=True runs in mode='sync' or 'async': in ssp a push in flight may wait on the clock for a "
-                "worker that waits for this one's batches; use overlap=False with ssp"
-            )
+        check_overlap_mode(self.overlap, mode)
         params = [self._shadow(p) for p in self.params] if self.overlap else self.params
         self.outer = self.rule.build(params, mode, num_workers)
         return self.outer

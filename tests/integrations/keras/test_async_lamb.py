@@ -60,6 +60,9 @@ def test_exchange_takes_the_project_ps_defaults_like_the_lightning_strategy(
     (tmp_path / "pyproject.toml").write_text("[tool.ivyplug.ps]\nshared_memory = false\n")
     assert AsyncLAMBExchange().config.shared_memory is False
     assert AsyncLAMBExchange(shared_memory=True).config.shared_memory is True
+    (tmp_path / "pyproject.toml").write_text("[tool.ivyplug.ps]\nnum_servers = 2\n")  # a Lightning option only
+    with pytest.warns(RuntimeWarning, match="the project's num_servers=2 .* is not used"):
+        AsyncLAMBExchange()
 
 
 def test_exchange_callback_refuses_another_optimizer() -> None:
@@ -89,6 +92,83 @@ def test_one_worker_exchanges_every_h_steps_and_matches_lamb(overlap: bool) -> N
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     assert history.history["ivy/rank0/sync_every"] == [2.0, 2.0]  # the Lightning strategy's metric name
     assert ("ivy/rank0/overlap_wait_s" in history.history) == overlap
+    # the PS counters under the Lightning strategy's names: pushes by each epoch's end (steps 2, 4; 6, 8, 10)
+    assert history.history["ivy/rank0/pushes"] == [2.0, 5.0]
+    assert history.history["ivy/rank0/nonfinite_skipped"] == [0.0, 0.0]
+    assert history.history["ivy/rank0/bytes_sent"] == [0.0, 0.0]  # one worker: its shard is in-process
+
+
+def test_a_nonfinite_delta_is_dropped_counted_and_logged_and_the_worker_goes_on_from_the_global_copy() -> None:
+    """A weight turned NaN after the first step (LAMB itself skips non-finite gradients) makes the first delta NaN:
+    the PS drops it whole (``nonfinite="skip"``), the worker restarts from the global copy, and the counters say so
+    under the torch twin's and the Lightning strategy's names."""
+
+    class Poison(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+            if batch == 0:
+                kernel = self.model.trainable_variables[0]
+                value = keras.ops.convert_to_numpy(kernel).copy()
+                value[0, 0] = np.nan
+                kernel.assign(value)
+
+    x, y = _data()
+    model = _model()
+    before = [w.copy() for w in model.get_weights()]
+    model.compile(optimizer=AsyncLAMB(learning_rate=0.02, sync_every=2), loss="mse")
+    exchange = AsyncLAMBExchange(mode="async")
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[Poison(), exchange])
+    assert exchange.discarded_exchanges == 1 and exchange.exchanges == 3  # steps 2 and 4, then the end's flush
+    assert history.history["ivy/rank0/nonfinite_skipped"] == [1.0]
+    after = model.get_weights()
+    assert all(np.isfinite(w).all() for w in after)
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before, strict=True))  # the later steps landed
+
+
+def test_overlap_in_ssp_is_refused_before_any_process_group_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused at the start of fit, not once the gloo group waits for its peers (here: for a rank that never comes)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    model = _model()
+    model.compile(optimizer=AsyncLAMB(learning_rate=0.02, overlap=True), loss="mse")
+    x, y = _data()
+    exchange = AsyncLAMBExchange(mode="ssp", staleness=2, timeout=5.0)
+    with pytest.raises(ValueError, match="overlap=True runs in mode='sync' or 'async'"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[exchange])
+    assert not dist.is_initialized()
+
+
+def test_a_failed_start_drops_the_process_group_it_made(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The PS fails to start after the callback made its gloo group: fit raises that error and the group is gone,
+    so a second fit in this process starts afresh (a one-rank group stands in for torchrun's two)."""
+    import torch.distributed as dist
+
+    from ivyplug.ps import PSClient
+
+    def join(self: AsyncLAMBExchange) -> int:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        self._own_group = True
+        return 1
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the servers cannot be started")
+
+    monkeypatch.setattr(AsyncLAMBExchange, "_join_workers", join)
+    monkeypatch.setattr(PSClient, "start", refuse)
+    model = _model()
+    model.compile(optimizer=AsyncLAMB(learning_rate=0.02), loss="mse")
+    x, y = _data()
+    exchange = AsyncLAMBExchange(mode="async")
+    try:
+        with pytest.raises(RuntimeError, match="the servers cannot be started"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[exchange])
+        assert not dist.is_initialized() and exchange.client is None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_sync_every_auto_is_chosen_from_the_measured_times_and_logged() -> None:

@@ -59,7 +59,8 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
     """Adapt the global batch size (and learning rate) to device load during ``model.fit``.
 
     The options both twins share (this one and ``ivyplug.integrations.lightning.IvyLoadBalancer``) have the same
-    names, defaults and meaning, so a config moves between them; ``dataset`` and ``device_index`` are Keras's own.
+    names, defaults and meaning, so a config moves between them (``log_every_n_steps=None`` follows each framework's own
+    logging: the Trainer's period, Keras's epoch logs); ``dataset`` and ``device_index`` are Keras's own.
 
     Args:
         dataset: the :class:`ElasticDataset` that feeds ``fit``; without one the callback only monitors.
@@ -287,7 +288,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self.step += steps
         n = self.config.log_every_n_steps
         if n is not None and logs is not None and self.sampler is not None and self.step % n == 0:
-            logs.update(reading_metrics(self.sampler.latest()))
+            logs.update(reading_metrics(self.sampler.latest(), per_core=False))  # as the Lightning twin logs steps
         self._last_batch_t = time.perf_counter()
         self._hook_s += self._last_batch_t - t
 

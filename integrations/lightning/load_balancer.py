@@ -57,7 +57,8 @@ class IvyLoadBalancer(CoreState, Callback):
     """Load-aware batch size, per-rank shares, LR rescaling and OOM recovery for Lightning.
 
     The options both twins share (this one and ``ivyplug.integrations.keras.IvyLoadBalancer``) have the same
-    names, defaults and meaning, so a config moves between them; ``balance_shares`` to ``seed`` are Lightning's own.
+    names, defaults and meaning, so a config moves between them (``log_every_n_steps=None`` follows each framework's own
+    logging: the Trainer's period, Keras's epoch logs); ``balance_shares`` to ``seed`` are Lightning's own.
 
     Args:
         probes: probe names from the registry (``"nvml"``, ``"psutil"``...), ``{"name": ...,

@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 from ivyplug.load.batch_policy import BatchSizePolicy
 from ivyplug.load.lr_scaling import check_rule
 from ivyplug.load.probe import Probe
-from ivyplug.load.probes import DEFAULT_PROBE_NAMES, default_probes, make_probe
+from ivyplug.load.probes import DEFAULT_PROBE_NAMES, SCRIPTED, default_probes, make_probe
 
 #: What ``probes`` holds: registry names, ``{"name": ..., **kwargs}`` dicts or probe objects, or a zero-argument
 #: callable returning them (for spawn, where probe objects may not pickle).
@@ -127,6 +127,21 @@ def _check_probes(probes: object) -> None:
     for spec in probes:
         if not isinstance(spec, (str, Mapping, Probe)):
             raise ValueError(f"probes must hold names, dicts or Probe objects, got {spec!r}")
+        name = spec.get("name") if isinstance(spec, Mapping) else spec if isinstance(spec, str) else None
+        if isinstance(spec, Mapping) and not isinstance(name, str):
+            raise ValueError(f"probes: a dict names its probe under 'name', got {dict(spec)!r}")
+        if isinstance(name, str) and name != SCRIPTED:
+            _check_probe_name(name)
+
+
+def _check_probe_name(name: str) -> None:
+    """A registered probe's name (it may need a package this machine lacks: only the name is checked here)."""
+    from ivyplug.registry import AmbiguousComponentError, UnknownComponentError, get_registry
+
+    try:
+        get_registry().resolve("probe", name)
+    except (UnknownComponentError, AmbiguousComponentError, ValueError) as exc:
+        raise ValueError(f"probes: {exc}") from None
 
 
 @dataclass(frozen=True)

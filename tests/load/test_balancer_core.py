@@ -51,6 +51,9 @@ def started(batch: int = 16, workers: int = 1, **options: Any) -> BalancerCore:
         ({"log_every_n_steps": 0}, "log_every_n_steps must be None or an int >= 1"),
         ({"probes": "nvml"}, "probes must be a list"),
         ({"probes": [1]}, "probes must hold names, dicts or Probe objects"),
+        ({"probes": ["psutil", "nvmll"]}, r"probes: unknown probe 'nvmll'; available probe names: .*psutil"),
+        ({"probes": [{"name": "bogus", "x": 1}]}, "probes: unknown probe 'bogus'"),
+        ({"probes": [{"trace": []}]}, "probes: a dict names its probe under 'name'"),
         ({"policy": {"cooldown": 2}}, "policy must be an ivyplug.load.BatchSizePolicy"),
         ({"adapt_batch_size": "yes"}, "adapt_batch_size must be True or False"),
     ],
@@ -67,6 +70,11 @@ def test_a_bad_option_is_refused_at_construction_naming_it(options: dict[str, An
 def test_a_bad_share_option_is_refused_naming_it(options: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ShareOptions(**options)
+
+
+def test_registered_and_scripted_probe_names_are_accepted_whether_or_not_they_run_here() -> None:
+    specs = ["nvml", "torch_allocator", {"name": "psutil", "per_cpu": False}, {"name": "scripted", "trace": []}]
+    assert BalancerConfig(probes=specs).probes == specs
 
 
 def test_the_config_is_frozen_and_holds_seconds_as_a_float() -> None:

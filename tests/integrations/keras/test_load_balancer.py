@@ -141,7 +141,9 @@ def test_single_device_sgd_grows_linearly(digits: Any) -> None:
     x, y = digits
     data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)
     model = _model(keras.optimizers.SGD(0.05))
-    balancer = _balancer(data, [IDLE, BUSY, IDLE, BUSY], max_batch_size=64, log_every_n_steps=3)
+    cores = {"cpu0_util": 5.0, "cpu1_util": 15.0}  # per core: in the epoch's logs, not in the steps'
+    trace = [IDLE | cores, BUSY | cores, IDLE | cores, BUSY | cores]
+    balancer = _balancer(data, trace, max_batch_size=64, log_every_n_steps=3)
     spy = Spy()
     history = model.fit(
         data.tf_dataset(),
@@ -159,6 +161,7 @@ def test_single_device_sgd_grows_linearly(digits: Any) -> None:
     # log_every_n_steps=3: the latest readings join the batch logs every third step only.
     assert [bool(keys) for keys in spy.step_logs] == [(i + 1) % 3 == 0 for i in range(len(spy.step_logs))]
     assert spy.step_logs[2] == ["ivy/cpu_util", "ivy/mem_total", "ivy/mem_used"]
+    assert history.history["ivy/cpu1_util"] == [15.0, 15.0, 15.0]
 
 
 def test_one_replica_has_no_noise_scale_so_goodput_warns_once_and_does_not_grow(digits: Any) -> None:

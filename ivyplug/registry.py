@@ -204,6 +204,24 @@ def _collect(registry: Registry, pm: pluggy.PluginManager, plugin_name: str, pro
         registry.add(entry)
 
 
+def _drop_invalid(pm: pluggy.PluginManager, registry: Registry, loaded: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The plugins of ``loaded`` whose every hook is one of ivyplug's (pluggy's ``check_pending``): one with a hook
+    no spec names (a misspelt ``ivyplug_probe``) is unregistered and reported, and the others still load. A built-in
+    plugin's is ivyplug's own bug: raised."""
+    while True:
+        try:
+            pm.check_pending()
+            return loaded
+        except pluggy.PluginValidationError as exc:
+            name = pm.get_name(exc.plugin)
+            provider = next((p for n, p in loaded if n == name), None)
+            if provider is None or provider == BUILTIN_PROVIDER:
+                raise
+            pm.unregister(exc.plugin)
+            registry.errors.append(PluginError(str(name), provider, exc))
+            loaded = [(n, p) for n, p in loaded if n != name]
+
+
 def build_registry(autoload: bool | None = None, builtins: Iterable[str] | None = None) -> Registry:
     """Build a fresh registry (``get_registry()`` caches one per process).
 
@@ -240,7 +258,7 @@ def build_registry(autoload: bool | None = None, builtins: Iterable[str] | None 
                 continue
             loaded.append((ep.name, provider))
 
-    pm.check_pending()
+    loaded = _drop_invalid(pm, registry, loaded)
     for plugin_name, provider in loaded:
         _collect(registry, pm, plugin_name, provider)
     for err in registry.errors:

@@ -43,7 +43,17 @@ def run(args: argparse.Namespace) -> int:
     if args.state_dir is not None and snapshot_every is None:
         snapshot_every = 60.0
     try:
-        check_options(args.shards, args.host, args.port, token, args.workers, args.state_dir, snapshot_every)
+        check_options(
+            args.shards,
+            args.host,
+            args.port,
+            token,
+            args.workers,
+            args.state_dir,
+            snapshot_every,
+            args.timeout,
+            args.status_every,
+        )
         service = PSService(
             args.shards,
             host=args.host,

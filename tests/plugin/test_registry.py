@@ -106,6 +106,23 @@ def test_hook_that_raises_is_isolated(site: Path) -> None:
     assert registry.errors[0].provider == "bad-hook"
 
 
+def test_a_plugin_with_a_misspelt_hook_is_reported_and_others_load(site: Path) -> None:
+    body = """
+    from ivyplug.components import Probe
+    from ivyplug.hookspecs import hookimpl
+    @hookimpl
+    def ivyplug_probe():
+        return [Probe("typo", "json:loads")]
+    """
+    _write_dist(site, "typo-pkg", "typo_hook_plugin", "typo", body)
+    _write_dist(site, "fancy-probe", "fancy_probe_plugin5", "fancy", THIRD_PARTY)
+    with pytest.warns(RuntimeWarning, match="typo-pkg"):
+        registry = reg.build_registry()
+    assert "fancy" in registry.names("probe") and "typo" not in registry.names("probe")
+    assert [(e.plugin, e.provider) for e in registry.errors] == [("typo", "typo-pkg")]
+    assert "ivyplug_probe" in str(registry.errors[0])
+
+
 def _manual_registry(*components: object) -> reg.Registry:
     plugin = types.SimpleNamespace()
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import math
 import os
 import socket
 import sys
@@ -143,7 +144,7 @@ class PSService:
         log: Callable[[str], None] | None = None,
         join: str | None = None,
     ) -> None:
-        check_options(num_shards, host, port, token, num_workers, state_dir, snapshot_every)
+        check_options(num_shards, host, port, token, num_workers, state_dir, snapshot_every, timeout, status_every)
         self.num_shards = num_shards
         self.first = 0  # the global index of this service's first shard (a joined service: told by the first)
         #: the services of the job, this one first: address, first shard, shard count (the first service only)
@@ -667,6 +668,8 @@ def check_options(
     num_workers: object,
     state_dir: object,
     snapshot_every: object,
+    timeout: object = DEFAULT_TIMEOUT_S,
+    status_every: object = None,
 ) -> None:
     """ValueError naming the option and what is allowed (before anything listens)."""
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
@@ -686,6 +689,15 @@ def check_options(
             raise ValueError("--snapshot-every needs --state-dir (where the snapshots go)")
         if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, (int, float)) or snapshot_every <= 0:
             raise ValueError(f"--snapshot-every must be a number of seconds > 0, got {snapshot_every!r}")
+    if not _seconds(timeout):
+        raise ValueError(f"--timeout must be a finite number of seconds > 0, got {timeout!r}")
+    if status_every is not None and not _seconds(status_every):
+        raise ValueError(f"--status-every must be a finite number of seconds > 0, got {status_every!r}")
+
+
+def _seconds(value: object) -> bool:
+    """Whether ``value`` is a finite number of seconds > 0."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
 
 
 def run_forever(service: PSService, stop: threading.Event) -> None:

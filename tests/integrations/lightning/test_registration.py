@@ -88,6 +88,27 @@ def test_autoregistration_can_be_switched_off() -> None:
     assert "HOOK False" in off.stdout and "IMPORTED False" in off.stdout
 
 
+def test_switched_off_the_names_come_from_register_with_lightning() -> None:
+    """What the configuration reference tells a user who sets the switch: the name is unknown to the Trainer
+    until ``register_with_lightning()`` is called."""
+    code = """
+        from lightning.pytorch import Trainer
+        try:
+            Trainer(strategy="ivy_ps", accelerator="cpu", devices=1, logger=False)
+        except ValueError as exc:
+            print("BEFORE refused", "ivy_ps" in str(exc))
+        from ivyplug.integrations.lightning.registration import register_with_lightning
+        print("REGISTERED", register_with_lightning())
+        trainer = Trainer(strategy="ivy_ps", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+        print("AFTER", type(trainer.strategy).__name__, trainer.strategy.mode)
+        """
+    proc = _run(code, env_extra={DISABLE_ENV: "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "BEFORE refused True" in proc.stdout, proc.stdout
+    assert "REGISTERED ['ivy_ps', 'ivy_ps_sync', 'ivy_ps_ssp']" in proc.stdout
+    assert "AFTER IvyPSStrategy async" in proc.stdout, proc.stdout
+
+
 def test_register_strategies_is_idempotent_and_respects_foreign_names() -> None:
     from ivyplug.integrations.lightning import IvyPSStrategy
     from lightning.fabric.strategies.registry import _StrategyRegistry

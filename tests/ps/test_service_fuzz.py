@@ -129,3 +129,41 @@ def test_another_wire_version_is_refused_in_the_handshake_on_both_sides(service:
     verdict = json.loads(store.get(f"{auth.PREFIX}/verdict/{member}"))
     assert verdict["ok"] is False and f"wire version {WIRE_VERSION + 7}" in verdict["reason"]
     _good_step(service.address)
+
+
+def _raw_member(port: int) -> tuple[object, int]:
+    """A store client that took a member number, as a worker's first handshake step does."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    return store, int(store.add(auth.MEMBER_COUNTER, 1)) - 1
+
+
+def test_a_joiner_that_never_proves_the_token_holds_up_no_one() -> None:
+    """A worker gone after its hello (killed while it started): the service waits its timeout for that worker's
+    proof, on that member's own store connection, while the next worker joins and trains."""
+    lines: list[str] = []
+    svc = PSService(1, port=0, timeout=30, status_every=None, log=lines.append)
+    try:
+        store, member = _raw_member(svc.port)
+        store.set(f"{auth.PREFIX}/hello/{member}", json.dumps({"wire": WIRE_VERSION, "nonce": "00" * 16}).encode())
+        store.wait([f"{auth.PREFIX}/challenge/{member}"], timedelta(seconds=10))  # the service is waiting for it
+        start = time.monotonic()
+        _good_step(svc.address)  # its own timeout (10 s) is a third of the service's
+        assert time.monotonic() - start < 8, lines
+    finally:
+        svc.close()
+
+
+def test_a_member_number_taken_without_a_hello_is_skipped_after_the_timeout() -> None:
+    """A worker gone between taking its member number and writing its hello (or any client of the store that
+    bumped the counter): the service skips that number once it has waited its timeout, and serves the next."""
+    lines: list[str] = []
+    svc = PSService(1, port=0, timeout=3, status_every=None, log=lines.append)
+    try:
+        _store, member = _raw_member(svc.port)
+        start = time.monotonic()
+        _good_step(svc.address)  # its own timeout (10 s) is longer than the service's
+        waited = time.monotonic() - start
+        assert 3 - 0.5 <= waited < 9, (waited, lines)
+        assert any(f"member {member} sent no hello" in line for line in lines), lines
+    finally:
+        svc.close()

@@ -326,6 +326,7 @@ class PSService:
     # -- accepting members ----------------------------------------------------------------------------
     def _accept(self) -> None:
         member, service = 0, 1
+        overdue: float | None = None  # since when a later member number is taken while ``member`` sent no hello
         while not self.closed.is_set():
             if self.join is None and self.store.check([f"{auth.PREFIX}/service/{service}"]):
                 try:
@@ -335,21 +336,39 @@ class PSService:
                 service += 1
                 continue
             if not self.store.check([f"{auth.PREFIX}/hello/{member}"]):
+                # a worker writes its hello right after taking its number: one that never does (gone in between,
+                # or any client that bumped the counter) must not keep every later worker waiting
+                taken = int(self.store.add(auth.MEMBER_COUNTER, 0)) > member
+                now = time.monotonic()
+                overdue = (overdue or now) if taken else None
+                if overdue is not None and now - overdue >= self.timeout:
+                    self.log(f"ivyplug serve: member {member} sent no hello within {self.timeout:g} s: skipped")
+                    member, overdue = member + 1, None
+                    continue
                 time.sleep(0.05)  # a non-blocking look: a store wait that times out logs a warning each time
                 continue
+            overdue = None
             t = threading.Thread(
                 target=self._serve_member, args=(member,), name=f"ivyplug-member-{member}", daemon=True
             )
             t.start()
             member += 1
 
+    def _store_client(self) -> Any:
+        """A connection of its own to this service's store: a store client runs one operation at a time, so a
+        wait on the service's own client (a member's handshake waiting for its proof) would hold up every other
+        member's handshake and the accepting loop for as long as it waits."""
+        host = "::1" if self.host == "::" else "127.0.0.1" if gloo_net.is_wildcard(self.host) else self.host
+        return dist.TCPStore(host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout))
+
     def _serve_member(self, member: int) -> None:
         slot: int | None = None
         group = None
         try:
             accept = self._info()
+            store = self._store_client()  # its waits hold up no other member (see _store_client)
             reason, prefix, peer = auth.server_handshake(
-                self.store, member, self.token, self.timeout, accept, self._address_problem
+                store, member, self.token, self.timeout, accept, self._address_problem
             )
             if reason is not None:
                 with self._lock:
@@ -359,7 +378,7 @@ class PSService:
             watched = _Member(f"{prefix}/{auth.HEARTBEAT_KEY}", peer)
             with self._lock:
                 self._members[member] = watched
-            group = auth.pair_group(self.store, prefix, 0, self.timeout, self.host, peer)
+            group = auth.pair_group(store, prefix, 0, self.timeout, self.host, peer)
             channel = Channel(group, 0, self.timeout)
             slot, job = self._join(member, channel)
             if slot is None or job is None:
@@ -386,12 +405,10 @@ class PSService:
     def _watch(self) -> None:
         """Drop every joined member whose heartbeat counter has not moved for :func:`silence_bound` seconds.
 
-        Its own store connection (the store client serialises operations, and member threads wait on the
-        service's own client during handshakes). Only members that beat at least once are watched: a worker of
+        Its own store connection (:meth:`_store_client`). Only members that beat at least once are watched: a worker of
         an ivyplug version without heartbeats is dropped only when its connection breaks, as before.
         """
         bound = silence_bound(self.timeout)
-        host = "::1" if self.host == "::" else "127.0.0.1" if gloo_net.is_wildcard(self.host) else self.host
         store: Any = None
         while not self.closed.wait(min(0.25, bound / 8)):
             with self._lock:
@@ -400,7 +417,7 @@ class PSService:
                 continue
             try:
                 if store is None:
-                    store = dist.TCPStore(host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout))
+                    store = self._store_client()
                 counts = [int(store.add(m.key, 0)) for _, m in watched]
             except (RuntimeError, OSError) as exc:  # its own store, on its own host: say so, try again
                 self.log(f"ivyplug serve: the heartbeat watchdog could not read the store: {exc}")

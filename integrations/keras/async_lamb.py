@@ -144,10 +144,10 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             hosts; on one host the wire stays gloo); ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY``).
 
     At each epoch's end it adds this worker's PS counters to ``fit``'s logs under the names the Lightning strategy
-    logs them with: ``ivy/rank{r}/pushes``, ``pulls``, ``staleness_mean``, ``staleness_max``, ``bytes_sent``,
-    ``bytes_received``, ``wait_seconds``, ``nonfinite_skipped`` (:meth:`ivyplug.ps.PSClient.metrics`), the worker's
-    current local steps per exchange ``ivy/rank{r}/sync_every`` and, with ``overlap``, ``ivy/rank{r}/overlap_wait_s``.
-    Each Keras process logs its own rank's (Lightning gathers every rank's for rank 0's loggers).
+    logs them with: ``ivy/rank{r}/<key>`` for every key of :meth:`ivyplug.ps.PSClient.metrics` (``pushes``,
+    ``pulls``, ``staleness_mean``, ``bytes_sent``, ``nonfinite_skipped``, ...), the worker's current local steps per
+    exchange ``ivy/rank{r}/sync_every`` and, with ``overlap``, ``ivy/rank{r}/overlap_wait_s``. Each Keras process
+    logs its own rank's (Lightning gathers every rank's for rank 0's loggers).
     """
 
     def __init__(
@@ -234,7 +234,9 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             try:  # a failed start leaves no client, thread or process group behind for the next fit
                 self._stop()
             except Exception as cleanup:  # the start's error is the one to see
-                exc.add_note(f"AsyncLAMBExchange: cleaning up after the failed start failed too: {cleanup}")
+                note = getattr(exc, "add_note", None)  # Python 3.11+
+                if note is not None:
+                    note(f"AsyncLAMBExchange: cleaning up after the failed start failed too: {cleanup}")
             raise
 
     def _start(self, optimizer: AsyncLAMB, world: int) -> None:

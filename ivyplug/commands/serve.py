@@ -32,28 +32,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--join", default=None, metavar="HOST:PORT", help="hold more shards of the job of the ivyplug serve there"
     )
-    parser.add_argument("--status-every", type=float, default=60.0, help="seconds between status lines")
+    parser.add_argument("--status-every", type=float, default=60.0, help="seconds between status lines (0: none)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ivyplug.ps.server.service import PSService, check_options, run_forever
+    from ivyplug.ps.server.service import PSService, run_forever
 
     token = args.token if args.token is not None else os.environ.get("IVYPLUG_TOKEN")
     snapshot_every = args.snapshot_every
     if args.state_dir is not None and snapshot_every is None:
         snapshot_every = 60.0
-    try:
-        check_options(
-            args.shards,
-            args.host,
-            args.port,
-            token,
-            args.workers,
-            args.state_dir,
-            snapshot_every,
-            args.timeout,
-            args.status_every,
-        )
+    try:  # PSService checks every option first, before anything listens
         service = PSService(
             args.shards,
             host=args.host,

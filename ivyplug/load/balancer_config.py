@@ -130,7 +130,7 @@ def _check_probes(probes: object) -> None:
         name = spec.get("name") if isinstance(spec, Mapping) else spec if isinstance(spec, str) else None
         if isinstance(spec, Mapping) and not isinstance(name, str):
             raise ValueError(f"probes: a dict names its probe under 'name', got {dict(spec)!r}")
-        if isinstance(name, str) and name != SCRIPTED:
+        if isinstance(name, str) and not (isinstance(spec, Mapping) and name == SCRIPTED):  # a scripted one is a dict
             _check_probe_name(name)
 
 

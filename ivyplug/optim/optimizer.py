@@ -70,10 +70,7 @@ def _step_counter(value: object) -> Tensor:
 
 def _check_group(group: dict[str, Any]) -> None:
     """ValueError naming the first invalid hyperparameter of a param group (the Keras LAMB's checks and words)."""
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        raise ValueError(f"lr must be a finite float >= 0, got {lr!r}")
-    check_real("lr", lr, "a finite float >= 0", lambda x: x >= 0)
+    check_real("lr", group["lr"], "a finite float >= 0", lambda x: x >= 0)  # a tensor too is refused
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")

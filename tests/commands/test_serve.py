@@ -1,11 +1,31 @@
 """``ivyplug serve``'s option checks: a bad option ends the command with a message naming it and exit 2, before
-anything listens."""
+anything listens; ``--status-every 0`` turns the status lines off."""
 
 from __future__ import annotations
+
+import signal
+from typing import Any
 
 import pytest
 
 from ivyplug.cli import main
+from ivyplug.ps.server import service as service_module
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The services ``main`` starts: closed at once instead of served until a signal (a bad option that is not
+    refused then fails its test at once, and never installs its signal handlers in this process)."""
+    started: list[Any] = []
+
+    def close_at_once(service: Any, stop: Any) -> None:
+        started.append(service)
+        service.close()
+
+    monkeypatch.setattr(service_module, "run_forever", close_at_once)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    monkeypatch.delenv("IVYPLUG_TOKEN", raising=False)
+    return started
 
 
 @pytest.mark.parametrize(
@@ -20,17 +40,22 @@ from ivyplug.cli import main
         (["--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0.0"),
         (["--timeout", "inf"], "--timeout must be a finite number of seconds > 0, got inf"),
         (["--timeout", "nan"], "--timeout must be a finite number of seconds > 0, got nan"),
-        (["--status-every", "0"], "--status-every must be a finite number of seconds > 0, got 0.0"),
+        (["--status-every", "-1"], "--status-every must be a finite number of seconds > 0 (0: no status lines)"),
+        (["--status-every", "inf"], "--status-every must be a finite number of seconds > 0 (0: no status lines)"),
     ],
 )
 def test_a_bad_option_is_refused_naming_it_before_anything_listens(
-    options: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str], served: list[Any]
 ) -> None:
-    monkeypatch.delenv("IVYPLUG_TOKEN", raising=False)
     argv = ["serve", "--shards", "1", "--port", "0", *options]
-    if options[0] == "--shards":
-        argv = ["serve", "--port", "0", *options]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("ivyplug serve: ") and message in err, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and served == []
+
+
+def test_status_every_0_turns_the_status_lines_off(served: list[Any]) -> None:
+    assert main(["serve", "--shards", "1", "--port", "0", "--status-every", "0"]) == 0
+    assert [s.status_every for s in served] == [None]
+    assert main(["serve", "--shards", "1", "--port", "0", "--status-every", "2.5"]) == 0
+    assert served[-1].status_every == 2.5

@@ -126,7 +126,7 @@ class PSService:
         state_dir, snapshot_every: write the shards there every that many seconds (and at close) and
             resume from what is there at start.
         timeout: bound of every wait on a member (handshake, payloads).
-        status_every: seconds between two status lines (``None``: none).
+        status_every: seconds between two status lines (``None`` or 0: none).
         log: where status lines go.
     """
 
@@ -155,7 +155,7 @@ class PSService:
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.snapshot_every = snapshot_every
         self.timeout = timeout
-        self.status_every = status_every
+        self.status_every = status_every or None  # 0: none
         self.log = log or (lambda line: print(line, flush=True))
         self.traffic = Traffic()
         self.closed = threading.Event()
@@ -325,8 +325,9 @@ class PSService:
 
     # -- accepting members ----------------------------------------------------------------------------
     def _accept(self) -> None:
-        member, service = 0, 1
-        overdue: float | None = None  # since when a later member number is taken while ``member`` sent no hello
+        service = 1
+        taken = 0  # member numbers handed out so far (the store's counter, as last read)
+        waiting: dict[int, float] = {}  # a taken member number whose hello is not in yet -> since when
         while not self.closed.is_set():
             if self.join is None and self.store.check([f"{auth.PREFIX}/service/{service}"]):
                 try:
@@ -335,24 +336,24 @@ class PSService:
                     self.log(f"ivyplug serve: a service registration failed: {type(exc).__name__}: {exc}")
                 service += 1
                 continue
-            if not self.store.check([f"{auth.PREFIX}/hello/{member}"]):
-                # a worker writes its hello right after taking its number: one that never does (gone in between,
-                # or any client that bumped the counter) must not keep every later worker waiting
-                taken = int(self.store.add(auth.MEMBER_COUNTER, 0)) > member
-                now = time.monotonic()
-                overdue = (overdue or now) if taken else None
-                if overdue is not None and now - overdue >= self.timeout:
-                    self.log(f"ivyplug serve: member {member} sent no hello within {self.timeout:g} s: skipped")
-                    member, overdue = member + 1, None
-                    continue
-                time.sleep(0.05)  # a non-blocking look: a store wait that times out logs a warning each time
-                continue
-            overdue = None
-            t = threading.Thread(
-                target=self._serve_member, args=(member,), name=f"ivyplug-member-{member}", daemon=True
-            )
-            t.start()
-            member += 1
+            # non-blocking looks only (a store wait that times out logs a warning each time)
+            now = time.monotonic()
+            count = int(self.store.add(auth.MEMBER_COUNTER, 0))
+            waiting.update((m, now) for m in range(taken, count))
+            taken = max(taken, count)
+            # each member in its own time: a worker writes its hello right after taking its number, and one that
+            # never does (gone in between, or any client that bumped the counter) keeps no later worker waiting
+            for member, since in sorted(waiting.items()):
+                if self.store.check([f"{auth.PREFIX}/hello/{member}"]):
+                    del waiting[member]
+                    t = threading.Thread(
+                        target=self._serve_member, args=(member,), name=f"ivyplug-member-{member}", daemon=True
+                    )
+                    t.start()
+                elif now - since >= self.timeout:
+                    del waiting[member]
+                    self.log(f"ivyplug serve: member {member} sent no hello within {self.timeout:g} s: forgotten")
+            time.sleep(0.05)
 
     def _store_client(self) -> Any:
         """A connection of its own to this service's store: a store client runs one operation at a time, so a
@@ -708,8 +709,10 @@ def check_options(
             raise ValueError(f"--snapshot-every must be a number of seconds > 0, got {snapshot_every!r}")
     if not _seconds(timeout):
         raise ValueError(f"--timeout must be a finite number of seconds > 0, got {timeout!r}")
-    if status_every is not None and not _seconds(status_every):
-        raise ValueError(f"--status-every must be a finite number of seconds > 0, got {status_every!r}")
+    if status_every is not None and status_every != 0 and not _seconds(status_every):
+        raise ValueError(
+            f"--status-every must be a finite number of seconds > 0 (0: no status lines), got {status_every!r}"
+        )
 
 
 def _seconds(value: object) -> bool:

@@ -166,9 +166,12 @@ def test_dispatch_every_batch_once_per_epoch_and_slow_worker_gets_fewer(world2: 
 
 
 def test_a_stopped_epoch_hands_out_no_more_batches_to_any_worker(world2: list) -> None:
-    """Rank 1 stops epoch 2 (over the wire, to rank 0's queue) after one batch each: both then get none."""
+    """Rank 1 stops epoch 2 (over the wire, to rank 0's queue) after one batch each: both then get none.
+
+    The queue hands out 0, 1, 2 in the order of the requests, and rank 1 asks one index ahead after its first:
+    where both of its requests come before rank 0's, rank 1 trains 0 (holding 1, untrained) and rank 0 trains 2."""
     got = [r["dispatch"]["epochs"][2] for r in world2]
-    assert sorted(got[0] + got[1]) == [0, 1]
+    assert sorted(got[0] + got[1]) == [0, 1] or (got[1] == [0] and got[0] == [2]), got
     assert all(r["dispatch"]["after_stop"] == [None, None] for r in world2)
 
 

@@ -3,6 +3,7 @@ state to replies; reports how often a write found the state lent and what the se
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -13,6 +14,20 @@ from tests.ps.introspection import held_buffers, local_shard
 from tests.ps.scenarios import batch, mlp
 
 STEPS = 8
+
+
+def _kept_replies(client: PSClient, within: float = 10.0) -> dict[str, int]:
+    """The replies this rank's server keeps, per worker and stream, once it keeps any (up to ``within`` s): the
+    other worker can read a reply as soon as its sends are posted, a moment before the server thread files it."""
+    channel = client.topo.channel
+    assert channel is not None
+    deadline = time.monotonic() + within
+    while True:
+        with channel._send_lock:
+            kept = {f"{dst}/{stream}": len(v) for (dst, stream), v in channel._replies.items()}
+        if kept or time.monotonic() > deadline:
+            return kept
+        time.sleep(0.01)
 
 
 def fit(rank: int, world: int, mode: str, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -42,7 +57,7 @@ def fit(rank: int, world: int, mode: str, cfg: dict[str, Any] | None = None) -> 
         shard = local_shard(client)
         assert client.topo.channel is not None
         moves, buffers = shard.flat.moves, held_buffers(shard.flat)
-        kept = {f"{dst}/{stream}": len(v) for (dst, stream), v in client.topo.channel._replies.items()}
+        kept = _kept_replies(client)
         client.sync()  # every push landed, then both ranks pull the same version
         return {
             "moves": moves,

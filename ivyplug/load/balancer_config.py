@@ -127,11 +127,14 @@ def _check_probes(probes: object) -> None:
     for spec in probes:
         if not isinstance(spec, (str, Mapping, Probe)):
             raise ValueError(f"probes must hold names, dicts or Probe objects, got {spec!r}")
-        name = spec.get("name") if isinstance(spec, Mapping) else spec if isinstance(spec, str) else None
-        if isinstance(spec, Mapping) and not isinstance(name, str):
-            raise ValueError(f"probes: a dict names its probe under 'name', got {dict(spec)!r}")
-        if isinstance(name, str) and not (isinstance(spec, Mapping) and name == SCRIPTED):  # a scripted one is a dict
-            _check_probe_name(name)
+        if isinstance(spec, str):
+            _check_probe_name(spec)
+        elif isinstance(spec, Mapping):
+            name = spec.get("name")
+            if not isinstance(name, str):
+                raise ValueError(f"probes: a dict names its probe under 'name', got {dict(spec)!r}")
+            if name != SCRIPTED:  # a scripted probe (a dict with its trace) is no registered component
+                _check_probe_name(name)
 
 
 def _check_probe_name(name: str) -> None:

@@ -686,8 +686,8 @@ def check_options(
     num_workers: object,
     state_dir: object,
     snapshot_every: object,
-    timeout: object = DEFAULT_TIMEOUT_S,
-    status_every: object = None,
+    timeout: object,
+    status_every: object,
 ) -> None:
     """ValueError naming the option and what is allowed (before anything listens)."""
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:

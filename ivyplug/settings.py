@@ -9,7 +9,8 @@ An existing project switches ivyplug's behaviour from configuration, without edi
 in its ``pyproject.toml``, ``Trainer(strategy="ivy_ps")`` runs with those values. Precedence, highest first:
 an argument passed in code, the environment variable (``IVYPLUG_PS_TIMEOUT=300``), the ``pyproject.toml``
 value, the built-in default. The file is the first ``pyproject.toml`` found from the working directory
-upwards. Unknown keys and values of the wrong type raise ``ValueError`` naming the key and what is allowed.
+upwards. Unknown keys (and sections, and ``IVYPLUG_PS_*`` variables) and values of the wrong type raise
+``ValueError`` naming the key, where it was set and what is allowed: a misspelt name is never ignored.
 Framework-free (``tomllib``, or ``tomli`` on Python 3.10).
 """
 
@@ -99,6 +100,20 @@ def project_defaults(
     section: str, start: Path | None = None, environ: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """The configured values of ``section`` (only keys that are set), environment over ``pyproject.toml``."""
+    return {key: value for key, (value, _) in project_settings(section, start, environ).items()}
+
+
+#: the address a job's dedicated servers listen on (read by them, not a project default)
+PS_HOST_ENV = "IVYPLUG_PS_HOST"
+#: ``IVYPLUG_PS_*`` variables that are not project defaults of the ``ps`` section (read where they are used)
+OTHER_VARIABLES = {PS_HOST_ENV}
+
+
+def project_settings(
+    section: str, start: Path | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, tuple[Any, str]]:
+    """As :func:`project_defaults`, each value with where it was set (``"<file>: [tool.ivyplug.ps] timeout"``,
+    ``"environment variable IVYPLUG_PS_TIMEOUT"``), so that a value refused later can name its source."""
     if section not in SECTIONS:
         raise ValueError(f"unknown ivyplug settings section {section!r}; known: {sorted(SECTIONS)}")
     parsers = SECTIONS[section]
@@ -107,25 +122,46 @@ def project_defaults(
     origin: dict[str, str] = {}
     path = find_pyproject(start)
     if path is not None:
-        with path.open("rb") as f:
-            table = tomllib.load(f).get("tool", {}).get("ivyplug", {}).get(section, {})
-        if not isinstance(table, dict):
-            raise ValueError(f"{path}: [tool.ivyplug.{section}] must be a table")
-        unknown = sorted(set(table) - set(parsers))
-        if unknown:
-            raise ValueError(
-                f"{path}: unknown key(s) {unknown} in [tool.ivyplug.{section}]; allowed: {sorted(parsers)}"
-            )
+        table = _section_table(path, section, parsers)
         for key, value in table.items():
             values[key], origin[key] = value, f"{path}: [tool.ivyplug.{section}] {key}"
-    for key in parsers:
-        name = f"IVYPLUG_{section.upper()}_{key.upper()}"
+    prefix = f"IVYPLUG_{section.upper()}_"
+    names = {f"{prefix}{key.upper()}": key for key in parsers}
+    unknown = sorted(n for n in environ if n.startswith(prefix) and n not in names and n not in OTHER_VARIABLES)
+    if unknown:
+        raise ValueError(f"unknown environment variable(s) {unknown}; allowed: {sorted(names)}")
+    for name, key in names.items():
         if name in environ:
             values[key], origin[key] = _env_value(environ[name]), f"environment variable {name}"
-    out: dict[str, Any] = {}
+    out: dict[str, tuple[Any, str]] = {}
     for key, value in values.items():
         try:
-            out[key] = parsers[key](value)
+            out[key] = (parsers[key](value), origin[key])
         except TypeError as exc:
             raise ValueError(f"{origin[key]} must be {exc}, got {value!r}") from None
     return out
+
+
+def _section_table(path: Path, section: str, parsers: Mapping[str, Any]) -> dict[str, Any]:
+    """``[tool.ivyplug.<section>]`` of ``path``, every name under ``[tool.ivyplug]`` checked."""
+    try:
+        with path.open("rb") as f:
+            document = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML ({exc}); ivyplug reads its [tool.ivyplug] tables") from None
+    ours = document.get("tool", {}).get("ivyplug", {})
+    if not isinstance(ours, dict):
+        raise ValueError(f"{path}: [tool.ivyplug] must be a table of sections; allowed: {sorted(SECTIONS)}")
+    unknown = sorted(set(ours) - set(SECTIONS))
+    if unknown:
+        raise ValueError(
+            f"{path}: unknown name(s) {unknown} in [tool.ivyplug]; allowed sections: "
+            + ", ".join(f"[tool.ivyplug.{name}]" for name in sorted(SECTIONS))
+        )
+    table = ours.get(section, {})
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: [tool.ivyplug.{section}] must be a table")
+    unknown = sorted(set(table) - set(parsers))
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown} in [tool.ivyplug.{section}]; allowed: {sorted(parsers)}")
+    return dict(table)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from ivyplug.ps.config import PSConfig
 from ivyplug.settings import find_pyproject, project_defaults
 
 
@@ -42,11 +44,59 @@ def test_nothing_configured_gives_nothing(tmp_path: Path) -> None:
         ("[tool.ivyplug.ps]\nnum_servers = 1.5\n", {}, r"num_servers must be an integer, got 1.5"),
         ("", {"IVYPLUG_PS_NUM_SERVERS": "two"}, r"environment variable IVYPLUG_PS_NUM_SERVERS must be an integer"),
         ("[tool.ivyplug]\nps = 3\n", {}, r"\[tool.ivyplug.ps\] must be a table"),
+        (
+            "[tool.ivyplug.pss]\ntimeout = 3.0\n",
+            {},
+            r"\['pss'\] in \[tool.ivyplug\]; allowed sections",
+        ),
+        ("[tool.ivyplug]\ntimeout = 3.0\n", {}, r"unknown name\(s\) \['timeout'\] in \[tool.ivyplug\]"),
+        ("[tool.ivyplug.ps]\ntimeout =\n", {}, r"pyproject.toml: not valid TOML \(Invalid value"),
+        (
+            "",
+            {"IVYPLUG_PS_TIMOUT": "5"},
+            r"variable\(s\) \['IVYPLUG_PS_TIMOUT'\]; allowed: .*TIMEOUT",
+        ),
     ],
 )
 def test_bad_settings_name_the_key_and_the_source(tmp_path: Path, body: str, env: dict[str, str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         project_defaults("ps", start=_project(tmp_path, body), environ=env)
+
+
+def test_other_ps_variables_are_not_refused(tmp_path: Path) -> None:
+    env = {"IVYPLUG_PS_HOST": "10.0.0.2", "IVYPLUG_PS_TIMEOUT": "5"}  # the host a dedicated server binds
+    assert project_defaults("ps", start=_project(tmp_path, ""), environ=env) == {"timeout": 5.0}
+
+
+@pytest.mark.parametrize(
+    ("body", "env", "match"),
+    [
+        (
+            '[tool.ivyplug.ps]\nwire_dtype = "bf16"\n',
+            {},
+            r"'bf16' \(set by .*toml: \[tool.ivyplug.ps\] wire_dtype\)",
+        ),
+        ("", {"IVYPLUG_PS_TIMEOUT": "0"}, r"timeout.* \(set by environment variable IVYPLUG_PS_TIMEOUT\)"),
+        ("", {"IVYPLUG_PS_NUM_SERVERS": "-1"}, r"num_servers.* \(set by environment variable IVYPLUG_PS_NUM_SERVERS\)"),
+    ],
+)
+def test_a_refused_project_value_names_where_it_was_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, env: dict[str, str], match: str
+) -> None:
+    monkeypatch.chdir(_project(tmp_path, body))
+    for name in [n for n in os.environ if n.startswith("IVYPLUG_PS_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        PSConfig.from_settings(wire_dtype=None, timeout=None, num_servers=None)
+
+
+def test_a_refused_value_from_code_names_no_project_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(_project(tmp_path, "[tool.ivyplug.ps]\ntimeout = 30\n"))
+    with pytest.raises(ValueError) as caught:
+        PSConfig.from_settings(wire_dtype="bf16", timeout=None)
+    assert "got 'bf16'" in str(caught.value) and "set by" not in str(caught.value)
 
 
 def test_unknown_section_lists_the_known_ones() -> None:

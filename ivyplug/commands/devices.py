@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -125,11 +126,17 @@ def _has_rich() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ivyplug.registry import AmbiguousComponentError, UnknownComponentError
+
     if not args.interval > 0:
         raise SystemExit("ivyplug devices: --interval must be > 0")
     if args.count is not None and args.count < 1:
         raise SystemExit("ivyplug devices: --count must be >= 1")
-    probes = _probes(args.probe)
+    try:
+        probes = _probes(args.probe)
+    except (UnknownComponentError, AmbiguousComponentError) as exc:
+        print(f"ivyplug devices: --probe: {exc}", file=sys.stderr)
+        return 2
     # psutil's CPU percentage is measured between two reads: wait a little before the first one
     time.sleep(min(args.interval, 0.2))
     if args.json:

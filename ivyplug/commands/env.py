@@ -123,20 +123,14 @@ def project_settings(start: Path | None = None) -> dict[str, Any]:
     sections: dict[str, Any] = {}
     for section, parsers in settings.SECTIONS.items():
         try:
-            values = settings.project_defaults(section, start)
+            values = settings.project_settings(section, start)
         except ValueError as exc:
             sections[section] = {"error": str(exc)}
             continue
         keys: dict[str, Any] = {}
         for key in parsers:
-            variable = f"IVYPLUG_{section.upper()}_{key.upper()}"
-            if key not in values:
-                source = "built-in default"
-            elif variable in os.environ:
-                source = f"environment variable {variable}"
-            else:
-                source = f"{path} [tool.ivyplug.{section}]"
-            keys[key] = {"value": values.get(key), "source": source}
+            value, source = values.get(key, (None, "built-in default"))
+            keys[key] = {"value": value, "source": source}
         sections[section] = {"keys": keys}
     return {"pyproject": None if path is None else str(path), "sections": sections}
 

@@ -36,7 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ivyplug.ps.server.service import PSService, run_forever
+    from ivyplug.ps.server.service import ListenError, PSService, run_forever
 
     token = args.token if args.token is not None else os.environ.get("IVYPLUG_TOKEN")
     snapshot_every = args.snapshot_every
@@ -55,6 +55,13 @@ def run(args: argparse.Namespace) -> int:
             status_every=args.status_every,
             join=args.join,
         )
+    except ListenError as exc:
+        print(
+            f"ivyplug serve: {exc}: --host must be an address of this machine and --port a free port (0: any free "
+            "port)",
+            file=sys.stderr,
+        )
+        return 2
     except (ValueError, RuntimeError) as exc:
         print(f"ivyplug serve: {exc}", file=sys.stderr)
         return 2

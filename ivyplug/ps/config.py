@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -158,14 +159,24 @@ class PSConfig:
         """
         from ivyplug import settings
 
-        project = settings.project_defaults("ps")
+        project = settings.project_settings("ps")
         defaults = {f.name: f.default for f in fields(cls)}
         values = dict(overrides)
+        taken: dict[str, str] = {}  # key -> where the project set it
         for key, value in overrides.items():
             if value is None and key in settings.SECTIONS["ps"]:
-                values[key] = project.get(key, defaults.get(key))
+                if key in project:
+                    values[key], taken[key] = project[key]
+                else:
+                    values[key] = defaults.get(key)
         values["token"] = settings.token(overrides.get("token"))
-        return cls.from_kwargs(**values)
+        try:
+            return cls.from_kwargs(**values)
+        except ValueError as exc:  # a project value refused: say where it was set, as the code never named it
+            sources = [where for key, where in taken.items() if re.search(rf"\b{key}\b", str(exc))]
+            if not sources:
+                raise
+            raise ValueError(f"{exc} (set by {'; '.join(sources)})") from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for logging and hyperparameter saving); the token shows only whether one is set."""

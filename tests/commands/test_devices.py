@@ -51,3 +51,11 @@ def test_plain_text_without_rich(monkeypatch, capsys) -> None:  # type: ignore[n
     text = capsys.readouterr().out
     assert text.count("ivyplug devices") == 2
     assert "cpu_util" in text and "%" in text
+
+
+def test_an_unknown_probe_is_a_usage_error_naming_the_known_ones(capsys) -> None:  # type: ignore[no-untyped-def]
+    from ivyplug.cli import main
+
+    assert main(["devices", "--once", "--probe", "psutill"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ivyplug devices: --probe: unknown probe 'psutill'") and "psutil" in err, err

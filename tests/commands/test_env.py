@@ -36,7 +36,10 @@ def test_json_in_process_names_every_source(
     assert settings["pyproject"] == str(tmp_path / "pyproject.toml")  # type: ignore[index]
     keys = settings["sections"]["ps"]["keys"]  # type: ignore[index]
     assert keys["timeout"] == {"value": 300.0, "source": "environment variable IVYPLUG_PS_TIMEOUT"}
-    assert keys["num_servers"] == {"value": 2, "source": f"{tmp_path / 'pyproject.toml'} [tool.ivyplug.ps]"}
+    assert keys["num_servers"] == {
+        "value": 2,
+        "source": f"{tmp_path / 'pyproject.toml'}: [tool.ivyplug.ps] num_servers",
+    }
     assert keys["nonfinite"] == {"value": None, "source": "built-in default"}
     nvml = info["nvml"]
     assert isinstance(nvml["available"], bool) and (nvml["available"] or nvml["reason"])  # type: ignore[index]

@@ -4,6 +4,7 @@ anything listens; ``--status-every 0`` turns the status lines off."""
 from __future__ import annotations
 
 import signal
+import socket
 from typing import Any
 
 import pytest
@@ -36,6 +37,9 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         (["--host", "0.0.0.0"], "--host 0.0.0.0 listens beyond this machine: give a --token"),
         (["--workers", "-1"], "--workers must be an int >= 0"),
         (["--snapshot-every", "5"], "--snapshot-every needs --state-dir"),
+        (["--state-dir", "s", "--snapshot-every", "0"], "--snapshot-every must be a finite number of seconds > 0"),
+        (["--state-dir", "s", "--snapshot-every", "nan"], "--snapshot-every must be a finite number of seconds > 0"),
+        (["--state-dir", "s", "--snapshot-every", "inf"], "--snapshot-every must be a finite number of seconds > 0"),
         (["--timeout", "-1"], "--timeout must be a finite number of seconds > 0, got -1.0"),
         (["--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0.0"),
         (["--timeout", "inf"], "--timeout must be a finite number of seconds > 0, got inf"),
@@ -52,6 +56,22 @@ def test_a_bad_option_is_refused_naming_it_before_anything_listens(
     err = capsys.readouterr().err
     assert err.startswith("ivyplug serve: ") and message in err, err
     assert "Traceback" not in err and served == []
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "192.0.2.1", "nosuchhost.invalid"])
+def test_an_address_it_cannot_listen_on_is_refused_naming_it(
+    host: str, capsys: pytest.CaptureFixture[str], served: list[Any]
+) -> None:
+    """A taken port, an address of no interface here (TEST-NET-1), a name that does not resolve: exit 2, one line."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["serve", "--shards", "1", "--host", host, "--port", str(port), "--token", "t", "--timeout", "5"]
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ivyplug serve: cannot listen on {host}:{port} ("), err
+    assert "--host must be an address of this machine" in err and "Traceback" not in err and served == []
 
 
 def test_status_every_0_turns_the_status_lines_off(served: list[Any]) -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-HOST_ENV = "IVYPLUG_PS_HOST"
+from ivyplug.settings import PS_HOST_ENV as HOST_ENV
 
 
 def ps_host() -> str:
@@ -59,18 +59,21 @@ def _log(line: str) -> None:
 def serve(host: str, num_shards: int, num_workers: int, token: str, timeout: float, parent_pid: int, conn: Any) -> None:
     """Main of the server process: report the port to rank 0, serve until every worker has left."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    from ivyplug.ps.server.service import PSService
+    from ivyplug.ps.server.service import ListenError, PSService
 
-    service = PSService(
-        num_shards,
-        host=host,
-        port=0,
-        token=token,
-        num_workers=num_workers,
-        timeout=timeout,
-        status_every=None,
-        log=_log,
-    )
+    try:
+        service = PSService(
+            num_shards,
+            host=host,
+            port=0,
+            token=token,
+            num_workers=num_workers,
+            timeout=timeout,
+            status_every=None,
+            log=_log,
+        )
+    except ListenError as exc:
+        raise ListenError(f"{exc}: the job's dedicated servers listen on ${HOST_ENV}, else $MASTER_ADDR") from None
     conn.send_bytes(str(service.port).encode())  # bytes, not a pickled object
     conn.close()
     service.emptied.wait()

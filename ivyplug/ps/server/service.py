@@ -170,8 +170,11 @@ class PSService:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(256)
+            try:
+                sock.bind((host, port))
+                sock.listen(256)
+            except OSError as exc:  # a port in use, an address of another machine, a name that does not resolve
+                raise ListenError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
             self.port = int(sock.getsockname()[1])
             self.store = dist.TCPStore(
                 host,
@@ -678,6 +681,10 @@ class PSService:
                 t.join(2.0)
 
 
+class ListenError(ValueError):
+    """The service's address cannot be listened on (the caller names the setting that chose it)."""
+
+
 def check_options(
     num_shards: object,
     host: object,
@@ -705,8 +712,8 @@ def check_options(
     if snapshot_every is not None:
         if state_dir is None:
             raise ValueError("--snapshot-every needs --state-dir (where the snapshots go)")
-        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, (int, float)) or snapshot_every <= 0:
-            raise ValueError(f"--snapshot-every must be a number of seconds > 0, got {snapshot_every!r}")
+        if not _seconds(snapshot_every):
+            raise ValueError(f"--snapshot-every must be a finite number of seconds > 0, got {snapshot_every!r}")
     if not _seconds(timeout):
         raise ValueError(f"--timeout must be a finite number of seconds > 0, got {timeout!r}")
     if status_every is not None and status_every != 0 and not _seconds(status_every):

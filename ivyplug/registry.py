@@ -166,7 +166,12 @@ class Registry:
                 f"{kind} name {name!r} is ambiguous: it matches {options}; use one of those full names"
             )
         available = ", ".join(self.names(kind)) or "(none)"
-        raise UnknownComponentError(f"unknown {kind} {name!r}; available {kind} names: {available}")
+        shorts = [e.component.name.lower() for e in table.values()]
+        unique = [
+            e.component.name for e in table.values() if "." in e.name and shorts.count(e.component.name.lower()) == 1
+        ]
+        hint = f" (or without the framework's prefix where unambiguous: {sorted(unique)[0]})" if unique else ""
+        raise UnknownComponentError(f"unknown {kind} {name!r}; available {kind} names: {available}{hint}")
 
     def get(self, kind: str, name: str) -> Any:
         """Import and return the component object (a class, usually)."""

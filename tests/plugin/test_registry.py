@@ -157,6 +157,8 @@ def test_framework_prefixed_names_and_bare_resolution() -> None:
         registry.resolve("optimizer", "lamb")
     with pytest.raises(reg.UnknownComponentError, match=r"available optimizer names: keras\.lamb, torch\.lamb"):
         registry.resolve("optimizer", "adamx")
+    with pytest.raises(reg.UnknownComponentError, match=r"torch\.sgdx \(or without the framework's prefix where"):
+        registry.resolve("optimizer", "adamx")  # the example is a short name that resolves: sgdx, not lamb
     with pytest.raises(ValueError, match="kind must be one of"):
         registry.names("optimiser")
 

@@ -19,7 +19,7 @@ from ivyplug.ps.server.lent_state import LentState
 from ivyplug.ps.server.mirror import OptimizerSpec
 from ivyplug.ps.server.shard import Shard, load_state_bytes
 from ivyplug.ps.sharding import TensorSpec, build_plan
-from ivyplug.ps.wire.push import encode_mask
+from ivyplug.ps.wire.push import hyper_prefix
 from tests.ps import lent_state_scenarios
 from tests.ps.harness import run_workers
 from tests.ps.introspection import held_buffers
@@ -102,9 +102,7 @@ def _shard(mode: str, lr: float = 0.1, momentum: float = 0.9) -> tuple[Shard, to
     plan = build_plan(specs, 1)
     init = torch.cat([w.detach().reshape(-1), b.detach(), torch.randn(3, generator=gen)])
     shard = Shard(0, plan, PSConfig(mode=mode, staleness_scaling="none"), 2, spec, init)
-    hyper = torch.cat(
-        [torch.tensor([-1.0, 1.0, 0.0, 0.0, *encode_mask([True, True])], dtype=torch.float64), spec.encode(opt)]
-    )
+    hyper = torch.cat([hyper_prefix([True, True]), spec.encode(opt)])
     return shard, init, hyper
 
 

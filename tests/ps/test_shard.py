@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from ivyplug.ps.server.endpoints import InProcessEndpoint
 from ivyplug.ps.server.mirror import OptimizerSpec
 from ivyplug.ps.server.shard import Shard
 from ivyplug.ps.sharding import TensorSpec, build_plan
-from ivyplug.ps.wire.push import PushFlag, encode_mask
+from ivyplug.ps.wire.push import PushFlag, hyper_prefix
 from ivyplug.ps.wire.transport import PSProtocolError, PSTimeoutError
 from ivyplug.ps.worker.layout import FlatLayout
 from tests.ps.scenarios import batch, mlp
@@ -41,34 +42,44 @@ def _job(
     return models, layouts, endpoints, [spec, opts]
 
 
-def _hyper(spec: OptimizerSpec, opt: torch.optim.Optimizer, n: int, clip: float, num_params: int) -> torch.Tensor:
-    prefix = torch.tensor([clip, float(n), 0.0, 0.0, *encode_mask([True] * num_params)], dtype=torch.float64)
+def _hyper(
+    spec: OptimizerSpec, opt: torch.optim.Optimizer, n: int, clip: float, num_params: int, value: float = -1.0
+) -> torch.Tensor:
+    prefix = hyper_prefix([True] * num_params, n, max_grad_norm=clip, clip_value=value)
     return torch.cat([prefix, spec.encode(opt)])
+
+
+def _sync_step(job: Any, step: int, sizes: list[int], clip: float = -1.0, value: float = -1.0) -> tuple[Any, Any]:
+    """Every worker of ``job`` pushes its part of batch ``step`` to every shard, then takes the replies; worker 0's
+    wait (futures) until the last worker pushed. Returns the whole batch."""
+    models, layouts, endpoints, (spec, opts) = job
+    num_params = len(list(models[0].parameters()))
+    x, y = batch(step, sum(sizes))
+    pending = []
+    for w, (model, layout) in enumerate(zip(models, layouts, strict=True)):
+        lo = sum(sizes[:w])
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x[lo : lo + sizes[w]]), y[lo : lo + sizes[w]]).backward()
+        hyper = _hyper(spec, opts[w], sizes[w], clip, num_params, value=value)
+        replies = [(ep.shard, ep.push_pull(w, layout.pack(ep.shard, 1.0).clone(), hyper)) for ep in endpoints]
+        if w == 0:  # nothing is applied before every worker pushed: these are still pending
+            with pytest.raises(PSTimeoutError, match="pushes of step"):
+                replies[0][1].result(0.01)
+        pending.append(replies)
+    for w, replies in enumerate(pending):
+        for s, reply in replies:
+            layouts[w].unpack(s, reply.result(1.0).snapshot)
+    return x, y
 
 
 def test_sync_two_shards_clip_by_the_global_norm_through_shard_to_shard_norms() -> None:
     """Worker 0's replies wait (futures) until worker 1 pushed; both then hold one process's result."""
-    models, layouts, endpoints, (spec, opts) = _job("sync")
+    job = _job("sync")
+    models = job[0]
     ref = copy.deepcopy(models[0])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    sizes = [3, 5]
-    num_params = len(list(ref.parameters()))
     for step in range(4):
-        x, y = batch(step, sum(sizes))
-        pending = []
-        for w, (model, layout) in enumerate(zip(models, layouts, strict=True)):
-            lo = sum(sizes[:w])
-            model.zero_grad()
-            torch.nn.functional.mse_loss(model(x[lo : lo + sizes[w]]), y[lo : lo + sizes[w]]).backward()
-            hyper = _hyper(spec, opts[w], sizes[w], 0.5, num_params)
-            replies = [(ep.shard, ep.push_pull(w, layout.pack(ep.shard, 1.0).clone(), hyper)) for ep in endpoints]
-            if w == 0:  # nothing is applied before every worker pushed: these are still pending
-                with pytest.raises(PSTimeoutError, match="pushes of step"):
-                    replies[0][1].result(0.01)
-            pending.append(replies)
-        for w, replies in enumerate(pending):
-            for s, reply in replies:
-                layouts[w].unpack(s, reply.result(1.0).snapshot)
+        x, y = _sync_step(job, step, [3, 5], clip=0.5)
         ref.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
@@ -76,6 +87,42 @@ def test_sync_two_shards_clip_by_the_global_norm_through_shard_to_shard_norms() 
     for model in models:
         for got, want in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_value_clipping_clamps_the_combined_gradient_as_ddp_does() -> None:
+    """gradient_clip_algorithm="value" in sync: each shard clamps its part of the sample-weighted mean gradient
+    (DDP clamps the averaged gradient), against a float64 reference; clamping each worker's gradient before
+    combining (the control) ends elsewhere."""
+    job = _job("sync")
+    models = job[0]
+    ref = copy.deepcopy(models[0]).double()
+    control = copy.deepcopy(models[0]).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    control_opt = torch.optim.SGD(control.parameters(), lr=0.1, momentum=0.9)
+    sizes, value = [3, 5], 0.05
+    for step in range(4):
+        x, y = _sync_step(job, step, sizes, value=value)
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x.double()), y.double()).backward()
+        assert torch.cat([p.grad.abs().flatten() for p in ref.parameters()]).max() > value  # the clamp acts
+        torch.nn.utils.clip_grad_value_(ref.parameters(), value)
+        ref_opt.step()
+        worker_grads = []
+        for w in range(2):
+            lo = sum(sizes[:w])
+            control.zero_grad()
+            torch.nn.functional.mse_loss(
+                control(x[lo : lo + sizes[w]].double()), y[lo : lo + sizes[w]].double()
+            ).backward()
+            worker_grads.append([p.grad.clamp(-value, value) * sizes[w] / sum(sizes) for p in control.parameters()])
+        for p, g0, g1 in zip(control.parameters(), *worker_grads, strict=True):
+            p.grad = g0 + g1
+        control_opt.step()
+    for model in models:
+        for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+    differences = [(a - b).abs().flatten() for a, b in zip(ref.parameters(), control.parameters(), strict=True)]
+    assert torch.cat(differences).max() > 1e-4
 
 
 def test_a_failing_shard_fails_its_pending_replies_at_once() -> None:
@@ -118,9 +165,7 @@ def _ssp_shard(num_workers: int = 2, mode: str = "ssp") -> tuple[Shard, torch.Te
     plan = build_plan([TensorSpec("p", (3,))], 1)
     cfg = PSConfig(mode=mode, staleness=0 if mode == "ssp" else None)
     shard = Shard(0, plan, cfg, num_workers, spec, torch.zeros(3))
-    hyper = torch.cat(
-        [torch.tensor([-1.0, 1.0, 0.0, 0.0, *encode_mask([True])], dtype=torch.float64), spec.encode(opt)]
-    )
+    hyper = torch.cat([hyper_prefix([True]), spec.encode(opt)])
     return shard, torch.ones(3), hyper
 
 
@@ -206,3 +251,12 @@ def test_sync_combines_pushes_as_the_sample_weighted_mean_step_after_step() -> N
     assert torch.isfinite(shard.masters[0]).all()
     # the control: the weights matter on these inputs (a plain mean would be far from the shard's result)
     assert not torch.allclose(shard.masters[0].detach().double(), unweighted, rtol=1e-3, atol=1e-3)
+
+
+def test_an_optimizer_that_clips_itself_is_refused_naming_the_global_clipping_to_use() -> None:
+    from ivyplug.optim import LAMB
+
+    p = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match=r"max_grad_norm=None .*Trainer\(gradient_clip_val=.*PSClient.step"):
+        OptimizerSpec.from_optimizer(LAMB([p], lr=1e-2, max_grad_norm=1.0), [p])
+    OptimizerSpec.from_optimizer(LAMB([p], lr=1e-2), [p])  # without its own clipping: mirrored

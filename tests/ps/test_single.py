@@ -122,9 +122,9 @@ def test_dispatch_and_stop_in_process() -> None:
 
 def _hyper(spec: Any, opt: torch.optim.Optimizer, num_params: int = 1, flags: int = 0) -> torch.Tensor:
     """A push's hyper vector as PSClient.step builds it: every parameter has a gradient."""
-    from ivyplug.ps.wire.push import HYPER_PREFIX, encode_mask
+    from ivyplug.ps.wire.push import HYPER_PREFIX, encode_mask, hyper_prefix
 
-    prefix = torch.tensor([-1.0, 1.0, float(flags), 0.0, *encode_mask([True] * num_params)], dtype=torch.float64)
+    prefix = hyper_prefix([True] * num_params, flags=flags)
     hyper = torch.cat([prefix, spec.encode(opt)])
     assert hyper.numel() == HYPER_PREFIX + len(encode_mask([True] * num_params)) + spec.num_values
     return hyper

@@ -15,7 +15,7 @@ from ivyplug.ps.server.mirror import OptimizerSpec
 from ivyplug.ps.server.shard import Reply, Shard, load_state_bytes
 from ivyplug.ps.server.split_trust import combines_trust, holders
 from ivyplug.ps.sharding import TensorSpec, build_plan
-from ivyplug.ps.wire.push import encode_mask
+from ivyplug.ps.wire.push import hyper_prefix
 from ivyplug.ps.worker.layout import FlatLayout
 from tests.optim.reference import RefGroup, RefLamb
 
@@ -56,7 +56,7 @@ def _job(
 def _hyper(
     shard: Shard, num_samples: int, has_grad: list[bool], clip: float, opt: LAMB, number: int = 0
 ) -> torch.Tensor:
-    prefix = torch.tensor([clip, float(num_samples), 0.0, float(number), *encode_mask(has_grad)], dtype=torch.float64)
+    prefix = hyper_prefix(has_grad, num_samples, push_number=number, max_grad_norm=clip)
     return torch.cat([prefix, shard.spec.encode(opt)])
 
 

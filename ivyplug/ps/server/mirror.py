@@ -93,8 +93,9 @@ class OptimizerSpec:
         for group in [*optimizer.param_groups, {"max_grad_norm": getattr(optimizer, "max_grad_norm", None)}]:
             if group.get("max_grad_norm") is not None:
                 raise ValueError(
-                    "the optimizer sets max_grad_norm; a sharded server would clip per shard, not "
-                    "globally. Set max_grad_norm=None and pass max_grad_norm to PSClient.step (global clipping)"
+                    "the optimizer sets max_grad_norm; a sharded server would clip per shard, not globally. Set "
+                    "max_grad_norm=None and clip the global norm instead: with Lightning Trainer(gradient_clip_val="
+                    "..., gradient_clip_algorithm='norm'), with a PSClient of your own PSClient.step(max_grad_norm=...)"
                 )
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         try:

@@ -508,7 +508,7 @@ class Shard:
             self._merge_ints(bufs, pushed)
         max_norm = float(hyper[0])
         self._sync_pushes = {}
-        self._sync_combined = (grads, bufs, hyper, max_norm, has_grad)
+        self._sync_combined = (grads, bufs, hyper, max_norm, has_grad)  # hyper[4]: the clip value, below
         # one float64 pass: the clipping norm, and |g_big|² that workers read for the gradient noise scale
         sq = squared_norm(grads)
         self._grad_sq = sq
@@ -544,6 +544,9 @@ class Shard:
             coef = torch.tensor(max_norm / (total_norm + 1e-6), dtype=torch.float32).clamp(max=1.0)
             grads = grads * coef
             del self._norms[self.version]
+        clip_value = float(hyper[4])
+        if clip_value >= 0:  # element-wise: each shard clamps its own part of the combined gradient
+            grads = grads.clamp(-clip_value, clip_value)
         self._sync_combined = None
         self._apply_hyper(hyper)
         if self._begin_split((-1, self.version), grads, has_grad):

@@ -14,9 +14,10 @@ from dataclasses import dataclass, fields
 import torch
 
 MAGIC = 0x1B5F_5053  # "ivy PS"
-WIRE_VERSION = 5  # 2: payloads may travel cut into segments (Flag.SPLIT); 3: or in shared memory (Flag.SHM);
+WIRE_VERSION = 6  # 2: payloads may travel cut into segments (Flag.SPLIT); 3: or in shared memory (Flag.SHM);
 #                  4: pushes may travel block-quantized (Flag.INT8, Flag.INT4), pulls as differences (Flag.DIFF);
-#                  5: a push's hyperparameters carry its number; shards exchange split LAMB tensors' sums
+#                  5: a push's hyperparameters carry its number; shards exchange split LAMB tensors' sums;
+#                  6: and sync mode's clip value (push.hyper_prefix)
 HEADER_LEN = 16
 
 # tags on the PS point-to-point group

@@ -1,6 +1,8 @@
 """What a worker's push carries besides its gradients: the fp64 "hyper" vector and its parts.
 
-Layout: ``[max_grad_norm or -1, num_samples, push flags, push number, *has-gradient mask words, *optimizer values]``.
+Layout: ``[max_grad_norm or -1, num_samples, push flags, push number, clip_value or -1, *has-gradient mask words,
+*optimizer values]`` (:func:`hyper_prefix` builds the part before the optimizer values). The two clips are sync
+mode's, applied by the servers to the combined gradient.
 The push number names the push on every shard (shards holding pieces of a split LAMB tensor match their
 sums by it, server/split_trust.py): distinct across a worker's pushes and its restarts. The mask has one bit
 per parameter of the plan (whether the worker had a gradient for it), packed :data:`MASK_BITS` to an fp64
@@ -15,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-#: entries before the mask: [max_grad_norm or -1, num_samples, push flags, push number]
-HYPER_PREFIX = 4
+#: entries before the mask: [max_grad_norm or -1, num_samples, push flags, push number, clip_value or -1]
+HYPER_PREFIX = 5
 
 #: bits of a push's has-gradient mask per fp64 word (exact: well below 53)
 MASK_BITS = 32
@@ -41,6 +43,19 @@ def encode_mask(has_grad: list[bool]) -> list[float]:
         if has:
             words[i // MASK_BITS] |= 1 << (i % MASK_BITS)
     return [float(w) for w in words]
+
+
+def hyper_prefix(
+    has_grad: list[bool],
+    num_samples: float = 1.0,
+    flags: int = 0,
+    push_number: int = 0,
+    max_grad_norm: float = -1.0,
+    clip_value: float = -1.0,
+) -> torch.Tensor:
+    """The hyper vector's entries before the optimizer values (fp64): the layout above."""
+    head = [max_grad_norm, float(num_samples), float(flags), float(push_number), clip_value]
+    return torch.tensor([*head, *encode_mask(has_grad)], dtype=torch.float64)
 
 
 def decode_mask(words: list[float], num_params: int) -> list[bool]:

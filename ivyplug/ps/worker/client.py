@@ -37,7 +37,7 @@ from ivyplug.ps.sharding import ShardPlan, auto_max_shard_bytes, build_plan, ten
 from ivyplug.ps.wire import shared_region
 from ivyplug.ps.wire.codecs import BF16_OVERFLOW, BLOCK_BITS, PULL_BITS, Bf16Codec, BlockCodec, PulledCopy
 from ivyplug.ps.wire.messages import BatchAsk, Header, Kind
-from ivyplug.ps.wire.push import PushFlag, encode_mask, nonfinite_in, nonfinite_in_parts
+from ivyplug.ps.wire.push import PushFlag, hyper_prefix, nonfinite_in, nonfinite_in_parts
 from ivyplug.ps.wire.transport import PSProtocolError, PSTimeoutError
 from ivyplug.ps.worker import checkpoint, service_link, topology
 from ivyplug.ps.worker.ask_ahead import AskAhead
@@ -437,6 +437,7 @@ class PSClient:
         num_samples: int,
         max_grad_norm: float | None = None,
         *,
+        clip_value: float | None = None,
         delta: bool = False,
         params: Collection[torch.Tensor] | None = None,
     ) -> None:
@@ -447,6 +448,8 @@ class PSClient:
         ``num_samples`` weights this worker's gradient in sync mode (uneven batches stay unbiased).
         ``max_grad_norm``: sync clips by the global norm of the combined gradient (computed by the servers);
         async/ssp clip each push by its own global norm here, before pushing.
+        ``clip_value``: sync clamps the combined gradient to ``[-clip_value, clip_value]`` on the servers (as DDP
+        clamps the averaged one: a clamp of each worker's gradient is not the same); async/ssp clamp each push here.
         ``params``: push only these parameters' gradients (one of several optimizers' steps, ps/worker/optimizer.py);
         the others count as having none, so the servers leave them as they are. Default: every parameter.
         """
@@ -455,13 +458,18 @@ class PSClient:
             raise ValueError(f"num_samples must be an int > 0, got {num_samples!r}")
         if max_grad_norm is not None and (not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
             raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
+        if clip_value is not None and (not isinstance(clip_value, (int, float)) or not clip_value > 0):
+            raise ValueError(f"clip_value must be None or a number > 0, got {clip_value!r}")
         sync_clip = float(max_grad_norm) if (max_grad_norm is not None and self.cfg.mode == "sync") else -1.0
+        sync_value = float(clip_value) if (clip_value is not None and self.cfg.mode == "sync") else -1.0
         if sync_clip >= 0 and self.topo.others:
             raise ValueError(
                 "max_grad_norm in sync mode clips by the global norm, which the shards of a job on several ivyplug "
                 "serve processes cannot combine (yet): hold every shard in one service, or clip in async/ssp"
             )
         with self._only(params):
+            if clip_value is not None and self.cfg.mode != "sync":
+                torch.nn.utils.clip_grad_value_([p for _, p in self.params if p.grad is not None], clip_value)
             clip = 1.0
             if max_grad_norm is not None and self.cfg.mode != "sync":
                 grads = [p.grad for _, p in self.params if p.grad is not None]
@@ -469,7 +477,8 @@ class PSClient:
                     total = torch.nn.utils.get_total_norm(grads)
                     clip = float(torch.clamp(max_grad_norm / (total + 1e-6), max=1.0))
             with self._exclusive("a step"):
-                self._step(num_samples, max_grad_norm, delta, clip, sync_clip)
+                scales = self.cfg.mode != "sync" and (max_grad_norm is not None or clip_value is not None)
+                self._step(num_samples, delta, clip, (sync_clip, sync_value), scales)
 
     @contextlib.contextmanager
     def _only(self, params: Collection[torch.Tensor] | None) -> Iterator[None]:
@@ -489,7 +498,11 @@ class PSClient:
             for p, grad in hidden:
                 p.grad = grad
 
-    def _step(self, num_samples: int, max_grad_norm: float | None, delta: bool, clip: float, sync_clip: float) -> None:
+    def _step(
+        self, num_samples: int, delta: bool, clip: float, sync_clips: tuple[float, float], scales_pushes: bool
+    ) -> None:
+        """``sync_clips``: (norm, value) the servers clip the combined gradient to, -1 for none; ``scales_pushes``:
+        async/ssp clipping edits every push at the step, so nothing is worth sending early."""
         early: set[int] = set()
         if self.early is not None:
             early = self.early.take(valid=clip == 1.0)
@@ -502,11 +515,9 @@ class PSClient:
             for s, ep in self.topo.endpoints.items()
         }
         flags = self._check_push(packed) | (PushFlag.DELTA if delta else 0)
-        has_grad = encode_mask([p.grad is not None for _, p in self.params])
         self._push_number += 1
-        prefix = torch.tensor(
-            [sync_clip, float(num_samples), float(flags), float(self._push_number), *has_grad], dtype=torch.float64
-        )
+        has_grad = [p.grad is not None for _, p in self.params]
+        prefix = hyper_prefix(has_grad, num_samples, flags, self._push_number, *sync_clips)
         self._warn_unmirrored()
         hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
         with self._servers_named():
@@ -529,7 +540,7 @@ class PSClient:
             tau_max = max(staleness)
             self.m.staleness_sum += tau_max
             self.m.staleness_max = max(self.m.staleness_max, tau_max)
-        self._scales_pushes = max_grad_norm is not None and self.cfg.mode != "sync"
+        self._scales_pushes = scales_pushes
         self._arm_early()
 
     def _warn_unmirrored(self) -> None:

@@ -76,6 +76,8 @@ class PSOptimizer(torch.optim.Optimizer):
             weights each worker's push by it); ``None``: 1.
         max_grad_norm: called after the closure at each step for the gradient norm to clip to (sync mode:
             the combined gradient's, on the servers; async/ssp: this push's), or None; ``None``: no clipping.
+        clip_value: the same for element-wise clipping to ``[-v, v]`` (sync mode: the combined gradient, on the
+            servers, as DDP clamps the averaged gradient).
 
     Example:
         >>> import torch
@@ -104,6 +106,7 @@ class PSOptimizer(torch.optim.Optimizer):
         *,
         num_samples: Callable[[], int] | None = None,
         max_grad_norm: Callable[[], float | None] | None = None,
+        clip_value: Callable[[], float | None] | None = None,
     ) -> None:
         mine = [p for group in optimizer.param_groups for p in group["params"]]
         served = {id(p) for group in client.optimizer.param_groups for p in group["params"]}
@@ -116,6 +119,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self._params: list[torch.Tensor] | None = None if client.optimizer is optimizer else mine
         self._num_samples = num_samples if num_samples is not None else (lambda: 1)
         self._max_grad_norm = max_grad_norm if max_grad_norm is not None else (lambda: None)
+        self._clip_value = clip_value if clip_value is not None else (lambda: None)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # the wrapped optimizer's
@@ -131,7 +135,12 @@ class PSOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.client.step(num_samples=self._num_samples(), max_grad_norm=self._max_grad_norm(), params=self._params)
+        self.client.step(
+            num_samples=self._num_samples(),
+            max_grad_norm=self._max_grad_norm(),
+            clip_value=self._clip_value(),
+            params=self._params,
+        )
         mark_stepped(self.optimizer)
         return loss
 

@@ -5,8 +5,10 @@ trains 2 epochs (SGD with momentum, or ``--optimizer lamb``; gradient clipping 0
 parameters to ``OUT_DIR/rank{r}.pt`` (its initial ones to ``init{r}.pt``, the tensors the PS split across its
 shards to ``split{r}.txt``, the ``ivy/`` metrics each rank logged to ``metrics{r}.json``; ``--wire``: the
 ``wire_dtype``); it prints ``rank R batch N`` after every batch,
-and ``--sleep`` slows every batch by that many seconds. ``--nodes 1 --servers HOST:PORT``: one worker of an
-``ivyplug serve``, started on its own; an error that ends ``fit`` is printed as ``error after S s: ...`` (exit 3).
+and ``--sleep`` slows every batch by that many seconds (``--hold FILE``: the first epoch's 4th batch waits
+for FILE, so that a test can act while every worker is at a known point). ``--nodes 1 --servers HOST:PORT``:
+one worker of an ``ivyplug serve``, started on its own; an error that ends ``fit`` is printed as
+``error after S s: ...`` (exit 3).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> int:
     ap.add_argument("--strategy", default="ivy_ps_sync")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--hold", default=None, help="after its 4th batch, wait (up to 120 s) until this file exists")
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--nodes", type=int, default=2, help="1: a single worker, started without torchrun")
     ap.add_argument("--servers", default=None, help="host:port of an ivyplug serve (token: $IVYPLUG_TOKEN)")
@@ -54,6 +57,13 @@ def main() -> int:
             print(f"rank {trainer.global_rank} batch {batch_idx}", flush=True)
             if args.sleep:
                 time.sleep(args.sleep)
+            if args.hold and trainer.current_epoch == 0 and batch_idx == 3:
+                print(f"rank {trainer.global_rank} holding", flush=True)
+                deadline = time.monotonic() + 120
+                while not Path(args.hold).exists():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{args.hold} did not appear within 120 s")
+                    time.sleep(0.05)
 
     seed_everything(0)
     model = DigitsMLP(hidden=64, lr=0.1 if args.optimizer == "sgd" else 0.01, optimizer=args.optimizer, batch_size=32)

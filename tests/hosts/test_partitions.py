@@ -28,10 +28,11 @@ LIGHTNING_JOB = str(Path(__file__).with_name("lightning_job.py"))
 TIMEOUT = 8.0  # the serve's and the workers' timeout
 
 
-def _worker(hosts: Any, i: int, out: Path, mode: str, epochs: int, servers: str) -> Output:
+def _worker(hosts: Any, i: int, out: Path, mode: str, epochs: int, servers: str, hold: Path | None = None) -> Output:
     out.mkdir(exist_ok=True)
     cmd = [sys.executable, LIGHTNING_JOB, str(out), "--strategy", f"ivy_ps_{mode}", "--nodes", "1"]
     cmd += ["--servers", servers, "--timeout", str(TIMEOUT), "--epochs", str(epochs), "--sleep", "0.05"]
+    cmd += ["--hold", str(hold)] if hold is not None else []
     # each worker is a one-process Lightning job with a store of its own: two of them starting at once on one
     # host must not draw the same free port (Lightning picks one when MASTER_PORT is unset; EADDRINUSE seen)
     port = str(next(_MASTER_PORTS))
@@ -67,15 +68,18 @@ def test_a_silent_worker_does_not_stall_the_serve_and_sync_says_who_is_missing(
     """
     hosts = emulated_hosts(2, hostname_maps_to="loopback")
     jobs = {}
+    go = tmp_path / "go"  # every worker holds after its 4th batch until this exists: none is done at the cut
     for mode, port, epochs in (("async", 29600, 3), ("sync", 29601, 20)):
         server = serve(hosts, 0, "--shards", "2", "--workers", "2", timeout=TIMEOUT, port=port)
         servers = f"{hosts[0].address}:{port}"
-        near = _worker(hosts, 0, tmp_path / f"{mode}-near", mode, epochs, servers)
-        far = _worker(hosts, 1, tmp_path / f"{mode}-far", mode, epochs, servers)
+        near = _worker(hosts, 0, tmp_path / f"{mode}-near", mode, epochs, servers, hold=go)
+        far = _worker(hosts, 1, tmp_path / f"{mode}-far", mode, epochs, servers, hold=go)
         jobs[mode] = (server, servers, near, far)
     for _, _, near, far in jobs.values():
-        near.wait_for("batch 3", 90)
-        far.wait_for("batch 3", 60)
+        near.wait_for("holding", 90)
+        far.wait_for("holding", 60)
+    go.touch()
+    time.sleep(0.5)  # they train on
     hosts.cut(1)
     cut = time.monotonic()
 

@@ -97,12 +97,17 @@ def test_servers_on_one_host_take_its_worker_in_fp32_and_the_other_hosts_in_bf16
     assert [p.finish(90) for p in job] == [0, 0], "\n".join(p.text()[-3000:] for p in job)
     metrics = json.loads((tmp_path / "ps" / "metrics0.json").read_text())
     assert min(metrics[f"ivy/rank{r}/pushes"] for r in (0, 1)) > 0, metrics
-    per_push = [metrics[f"ivy/rank{r}/bytes_sent"] / metrics[f"ivy/rank{r}/pushes"] for r in (0, 1)]
+    pushes = [metrics[f"ivy/rank{r}/pushes"] for r in (0, 1)]
+    sent = [metrics[f"ivy/rank{r}/bytes_sent"] for r in (0, 1)]
     floats = sum(t.numel() for t in torch.load(tmp_path / "ps" / "init0.pt").values() if t.is_floating_point())
-    assert per_push[0] >= 4 * floats, (per_push, floats)  # fp32: every value's 4 bytes
-    # bf16: 2 bytes a value plus the endpoint's other messages (headers, batch requests; 1.7-1.9 KB a push in
-    # two runs, with the timing), well below fp32's 4 bytes a value
-    assert 2 * floats <= per_push[1] < 3 * floats, (per_push, floats)
+    assert sent[0] / pushes[0] >= 4 * floats, (sent, pushes, floats)  # fp32: every value's 4 bytes
+    # bf16: 2 bytes a value plus the endpoint's other messages (headers, batch requests). Each worker also sends a
+    # fixed amount whatever its number of pushes: one fp32 copy of the model plus start-up requests, about 22 KB for
+    # either rank (fitted over two runs of 18 and 27 pushes). Dynamic dispatch can leave host 1 only a few batches
+    # on a loaded machine (3 once in CI), so the fixed part is taken off before the per-push bound.
+    fixed = 4 * floats + 4096
+    assert 2 * floats <= sent[1] / pushes[1], (sent, pushes, floats)
+    assert (sent[1] - fixed) / pushes[1] < 3 * floats, (sent, pushes, floats)
 
 
 def test_a_worker_killed_on_one_host_leaves_the_other_training(emulated_hosts: Any, tmp_path: Path) -> None:

@@ -14,12 +14,14 @@
   shorter one, both logged as ``ivy/rank{r}/sync_every``, and the fit learns.
 - Async LAMB on pushed gradients learns at least as well as the same LAMB in sync mode (DDP's math, one
   server step per global batch): the staleness factor scales the servers' learning rate per push, not the
-  gradient (scaling the gradient left async LAMB 5-15 points behind).
+  gradient (scaling the gradient left async LAMB 5-15 points behind). Async results depend on timing, so the
+  median of three async fits is compared.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,8 @@ FITS = {
     "sgd": "grad/sync/sgd/float32/10",
     "sgd_bf16": "grad/sync/sgd/bfloat16/10",
     "lamb_async": "grad/async/lamb/float32/10",
+    "lamb_async_2": "grad/async/lamb/float32/10",
+    "lamb_async_3": "grad/async/lamb/float32/10",
     "lamb_sync": "grad/sync/lamb/float32/10",
     "auto_slow": "auto/async/average/float32/6",
 }
@@ -51,8 +55,7 @@ def test_outer_optimizers_and_bf16_wire_accuracy(tmp_path: Path) -> None:
     returncode, out = run_script([str(JOB), str(tmp_path), *specs], tmp_path, timeout=380)
     assert returncode == 0, out[-4000:]
     runs: dict[str, list[dict]] = {}
-    for name, spec in FITS.items():
-        i = specs.index(spec)
+    for i, name in enumerate(FITS):
         runs[name] = [json.loads((tmp_path / f"fit{i}-rank{r}.json").read_text()) for r in (0, 1)]
     acc = {name: ranks[0]["val_acc"] for name, ranks in runs.items()}
     print("validation accuracy:", acc)  # shown with -rA: the measured numbers, not only pass/fail
@@ -78,7 +81,10 @@ def test_outer_optimizers_and_bf16_wire_accuracy(tmp_path: Path) -> None:
     for r16, r32 in zip(runs["sgd_bf16"], runs["sgd"], strict=True):
         ratio = (r16["bytes_sent"] + r16["bytes_received"]) / (r32["bytes_sent"] + r32["bytes_received"])
         assert 0.45 <= ratio <= 0.56, (r16, r32)
-    assert acc["lamb_async"] >= acc["lamb_sync"] - 0.01, acc
+    # sync LAMB is deterministic here (0.874); async, over 29 fits on an idle and a loaded machine: 0.908-0.969,
+    # once 0.855 in a loaded CI run (a lone fit then failed this bound), hence a median of three
+    lamb_async = statistics.median(acc[name] for name in ("lamb_async", "lamb_async_2", "lamb_async_3"))
+    assert lamb_async >= acc["lamb_sync"] - 0.01, acc
     periods = runs["auto_slow"][0]["sync_every"]
     print("sync_every per rank (rank 1 slow):", periods)
     assert len(periods) == 2 and all(1 <= p <= 256 for p in periods), periods

@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from ivyplug.integrations.lightning.lightning_internals import sampler_inside
+from ivyplug.integrations.lightning.lightning_internals import insert_first, sampler_inside
 from ivyplug.integrations.lightning.share_sampler import loader_settings
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
@@ -480,7 +480,7 @@ def process_async_loader(
     loader that did not come through here in the training stage).
     """
     if not any(isinstance(c, DispatchEpochEnd) for c in trainer.callbacks):
-        trainer.callbacks.insert(0, DispatchEpochEnd())  # first, so other callbacks see the last batch marked
+        insert_first(trainer, DispatchEpochEnd())  # first, so other callbacks see the last batch marked
     if not trainer.training:
         return dataloader  # validation, test and predict loaders stay as Lightning prepared them
     if not isinstance(dataloader, DataLoader):

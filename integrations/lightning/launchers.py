@@ -9,6 +9,7 @@ the workers. Subclassing keeps Lightning's ``isinstance`` checks on the launcher
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -19,6 +20,7 @@ import torch.distributed
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _get_sigkill_signal
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +41,21 @@ class _CheckingStrategy(Protocol):
     @property
     def tolerates_worker_loss(self) -> bool: ...
 
+    @property
+    def joined_default_group(self) -> bool: ...
+
 
 class _LossObserver(threading.Thread):
-    """In place of Lightning's ``_ChildProcessObserver``, which kills every rank when one child dies: warns
-    once per lost child and leaves the others training (for strategies whose job survives a lost worker)."""
+    """In place of Lightning's ``_ChildProcessObserver``, which kills every rank when one child dies: once every
+    rank has joined the default process group, warns once per lost child and leaves the others training (for
+    strategies whose job survives a lost worker). A child that dies before that would leave the others waiting for
+    it in the rendezvous until the process-group timeout (30 minutes by default), so then it ends every rank, as
+    Lightning's observer does."""
 
-    def __init__(self, children: list[subprocess.Popen[Any]], period: float = 2.0) -> None:
+    def __init__(self, children: list[subprocess.Popen[Any]], joined: Callable[[], bool], period: float = 2.0) -> None:
         super().__init__(daemon=True, name="ivyplug-child-observer")
-        self._children, self._period = children, period
+        self._children, self._joined, self._period = children, joined, period
+        self._main_pid = os.getpid()
 
     def run(self) -> None:
         reported: set[int] = set()
@@ -57,13 +66,27 @@ class _LossObserver(threading.Thread):
                 if code is None or rank in reported:
                     continue
                 reported.add(rank)
-                if code != 0:
-                    log.warning(
-                        "IvyPSStrategy: rank %d (pid %d) ended with code %s; the other ranks go on",
+                if code == 0:
+                    continue
+                if not self._joined():
+                    log.error(
+                        "IvyPSStrategy: rank %d (pid %d) ended with code %s before every rank joined the process "
+                        "group; ending every rank (a job goes on without a lost worker only once it has started)",
                         rank,
                         proc.pid,
                         code,
                     )
+                    self._end_all()
+                    return
+                log.warning(
+                    "IvyPSStrategy: rank %d (pid %d) ended with code %s; the other ranks go on", rank, proc.pid, code
+                )
+
+    def _end_all(self) -> None:
+        for proc in self._children:
+            if proc.poll() is None:
+                proc.send_signal(_get_sigkill_signal())
+        os.kill(self._main_pid, _get_sigkill_signal())
 
 
 def _check(strategy: _CheckingStrategy, trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -87,10 +110,12 @@ class CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
                 # Lightning's launch, but with an observer that does not end every rank when one dies
                 self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
                 self._call_children_scripts()
-                _LossObserver(self.procs).start()
+                _LossObserver(self.procs, lambda: self._ivy_strategy.joined_default_group).start()
                 _set_num_threads_if_needed(num_processes=self.num_processes)
                 return function(*args, **kwargs)
             return super().launch(function, *args, trainer=trainer, **kwargs)
+        except _TunerExitException:  # a tuner ending its trial fit on every rank: the others end it too
+            raise
         except BaseException:
             # Lightning ends the other ranks only on KeyboardInterrupt; after any other failure of rank 0
             # (e.g. its port is taken) they would wait for it until the process-group timeout

@@ -9,7 +9,7 @@ Lightning's own, and the PS strategy overrides ``DDPStrategy._configure_launcher
 * :func:`patch_epoch_loop`: in async/ssp the ranks run different batch counts, so the training epoch loop's
   per-batch SIGTERM broadcast (a default-group collective) is replaced by the PS stop flag, and the strategy
   is told when a training batch runs (on-step ``sync_dist`` reduces then stay local);
-* :func:`record_norm_clipping`: the PS clips the combined gradient once, so the precision plugin's
+* :func:`record_clipping`: the PS clips the combined gradient once, so the precision plugin's
   ``clip_gradients`` records the requested norm instead of clipping each worker's own gradient;
 * :func:`take_ddp_comm_hook` / :func:`give_back_ddp_comm_hook`: a user's ``ddp_comm_hook`` on a
   ``DDPStrategy``, which the load balancer composes with its share-weighting hook (torch allows one per model);
@@ -85,6 +85,16 @@ def init_process_group(strategy: Any, store_for: Callable[[int, timedelta], Any]
         _init_dist_connection(strategy.cluster_environment, strategy._process_group_backend, **kwargs)
 
 
+def insert_first(trainer: Any, callback: Any) -> None:
+    """Put ``callback`` before the user's callbacks, but after a tuner's own: ``Tuner.lr_find`` runs a fit with
+    its callback alone and reads it back as ``trainer.callbacks[0]``."""
+    callbacks = trainer.callbacks
+    index = 0
+    while index < len(callbacks) and type(callbacks[index]).__module__.startswith("lightning.pytorch.tuner"):
+        index += 1
+    callbacks.insert(index, callback)
+
+
 def trainer_of(module: Any) -> Any:
     """The Trainer a LightningModule is attached to, or None (its ``trainer`` property raises before that)."""
     return getattr(module, "_trainer", None)
@@ -131,12 +141,15 @@ def unpatch_epoch_loop(trainer: Any) -> None:
     vars(epoch_loop).pop("_broadcast_sigterm_tensor", None)
 
 
-def record_norm_clipping(plugin: Any, record: Callable[[float], None]) -> None:
+def record_clipping(
+    plugin: Any, record: Callable[[float], None], record_value: Callable[[float], None] | None = None
+) -> None:
     """Make ``plugin.clip_gradients`` call ``record(norm)`` for norm clipping instead of clipping locally.
 
-    Value clipping is element-wise, local by nature: it still runs. Lightning's ``configure_gradient_clipping``
-    (the module's hook, which a user may override) ends in this method, so a custom norm is recorded too.
-    :func:`restore_clipping` undoes it.
+    Value clipping calls ``record_value(value)`` where given (sync: DDP clamps the averaged gradient, so the
+    servers clamp the combined one), else it runs here, on this worker's gradient (async/ssp: each push).
+    Lightning's ``configure_gradient_clipping`` (the module's hook, which a user may override) ends in this method,
+    so a custom norm is recorded too. :func:`restore_clipping` undoes it.
     """
     warn_if_unchecked()
     local_clip = type(plugin).clip_gradients.__get__(plugin)
@@ -148,6 +161,8 @@ def record_norm_clipping(plugin: Any, record: Callable[[float], None]) -> None:
             return
         if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
             record(float(clip_val))
+        elif record_value is not None:
+            record_value(float(clip_val))
         else:
             local_clip(optimizer, clip_val, gradient_clip_algorithm)
 
@@ -155,7 +170,7 @@ def record_norm_clipping(plugin: Any, record: Callable[[float], None]) -> None:
 
 
 def restore_clipping(plugin: Any) -> None:
-    """Undo :func:`record_norm_clipping`."""
+    """Undo :func:`record_clipping`."""
     vars(plugin).pop("clip_gradients", None)
 
 

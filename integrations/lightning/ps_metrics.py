@@ -14,7 +14,11 @@ from lightning.pytorch.callbacks import Callback
 
 
 class PSMetricsLogger(Callback):
-    """Installed by :class:`IvyPSStrategy`; not meant to be added by users."""
+    """Installed by :class:`IvyPSStrategy`, before the user's callbacks; not meant to be added by users.
+
+    It also pulls the global model at the end of training, before the user's callbacks' ``on_train_end``: one
+    that sets the model's weights there (``StochasticWeightAveraging`` copies its average in) has the last word,
+    as under DDP (the strategy's own ``on_train_end`` runs after every callback's)."""
 
     def __init__(self, strategy: Any) -> None:
         self._ps_strategy = strategy
@@ -35,3 +39,6 @@ class PSMetricsLogger(Callback):
                 value = float(row[i])
                 self.last[key] = value
                 pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=False, reduce_fx="max")
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._ps_strategy.pull_final_model()

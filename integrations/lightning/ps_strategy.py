@@ -13,7 +13,9 @@ group's collectives (``reduce``/``broadcast``/``barrier`` for ``sync_dist``, ``M
   hyperparameters (so LR schedulers keep working). Several optimizers of one class (a GAN's) share the PS:
   each step pushes its own parameters' gradients;
 * norm clipping (``gradient_clip_val``) is not applied locally: the precision plugin's
-  ``clip_gradients`` records the requested norm and the PS clips the combined gradient once;
+  ``clip_gradients`` records the requested norm and the PS clips the combined gradient once; in sync mode
+  value clipping (``gradient_clip_algorithm="value"``) too, as DDP clamps the averaged gradient (async/ssp
+  clamp each push);
 * before validation, a checkpoint and the end of fit every rank applies in-flight pushes and pulls
   the global parameters (``PSClient.sync``), so what is validated, saved and returned is the global model;
 * in ``async``/``ssp`` mode a worker draws its batches from a queue shared through the PS (a fast worker
@@ -39,16 +41,23 @@ import torch.distributed
 from ivyplug.integrations.lightning import registration
 from ivyplug.integrations.lightning.dispatch_loader import process_async_loader
 from ivyplug.integrations.lightning.elastic_rendezvous import attempt_store
+from ivyplug.integrations.lightning.json_collectives import (
+    broadcast_typed,
+    from_typed_or_refusal,
+    refusal_in,
+    typed_or_refusal,
+)
 from ivyplug.integrations.lightning.launchers import (
     CheckedMultiProcessingLauncher,
     destroy_default_group,
 )
 from ivyplug.integrations.lightning.lightning_internals import (
     init_process_group,
+    insert_first,
     install_checked_launcher,
     patch_epoch_loop,
     per_step_collective_problems,
-    record_norm_clipping,
+    record_clipping,
     restore_clipping,
     trainer_of,
     unpatch_epoch_loop,
@@ -60,12 +69,13 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from ivyplug.localsgd.optimizer_protocol import DeltaExchangingOptimizer
 from ivyplug.ps.config import PSConfig
-from ivyplug.ps.wire import gloo_net, typed_state
+from ivyplug.ps.wire import gloo_net
 from ivyplug.ps.worker.member_group import MemberGroup, bytes_tensor, tensor_bytes
 from ivyplug.ps.worker.optimizer import PSOptimizer, served_optimizer
 
@@ -74,6 +84,8 @@ log = logging.getLogger(__name__)
 #: Key of the PS state inside each entry of a checkpoint's ``optimizer_states``.
 CHECKPOINT_KEY = "ivyplug_ps"
 CHECKPOINT_FORMAT = 1
+#: Key of every worker's own local-update optimizer state (AsyncLAMB, LocalUpdates), by rank, in that entry.
+LOCAL_STATES_KEY = "worker_optimizers"
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
@@ -229,10 +241,14 @@ class IvyPSStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self._client: Any = None
+        #: every rank has joined the default group (a popen launcher's observer reads it)
+        self.joined_default_group = False
         self._samples: list[int] = []  # per optimizer: samples since its last step (sync weights pushes by them)
         self._local_updates: DeltaExchangingOptimizer | None = None  # an optimizer that steps locally (AsyncLAMB)
         self._clip_norm: float | None = None
+        self._clip_value: float | None = None
         self._in_train_batch = False
+        self._final_model_pulled = False  # this fit's end already pulled the global model
         self._warned_local_reduce = False  # once per strategy: on-step sync_dist stays local in async/ssp
         self._metrics_logger: PSMetricsLogger | None = None
         self._lost_ranks: list[int] = []  # workers lost during the last fit (servers outside the workers)
@@ -289,6 +305,7 @@ class IvyPSStrategy(DDPStrategy):
         assert self.cluster_environment is not None
         # gloo binds the interface that reaches the main address unless GLOO_SOCKET_IFNAME says otherwise
         init_process_group(self, attempt_store, gloo_net.interface_for(self.cluster_environment.main_address))
+        self.joined_default_group = True
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: gradients travel through the PS."""
@@ -297,6 +314,7 @@ class IvyPSStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        self._final_model_pulled = False  # (also after a fit that failed between the pull and on_train_end)
         module = self.lightning_module
         assert module is not None
         optimizers = list(self.optimizers)
@@ -337,20 +355,22 @@ class IvyPSStrategy(DDPStrategy):
             local.attach(self._client)
         else:  # the PS takes each optimizer's step; local steps clip locally, as Lightning does
             self._samples = [0] * len(optimizers)
-            record_norm_clipping(self.precision_plugin, self._record_clip_norm)
+            record_value = self._record_clip_value if self.ps_config.mode == "sync" else None
+            record_clipping(self.precision_plugin, self._record_clip_norm, record_value)
             self.optimizers = [
                 PSOptimizer(
                     opt,
                     self._client,
                     num_samples=functools.partial(self._take_samples, k),
                     max_grad_norm=self._take_clip_norm,
+                    clip_value=self._take_clip_value,
                 )
                 for k, opt in enumerate(optimizers)
             ]
         # the gathered per-rank PS metrics are identical on every rank: no sync_dist needed
         warnings.filterwarnings("ignore", message=r".*self\.log\('ivy/rank\d+/.*sync_dist=True")
         self._metrics_logger = PSMetricsLogger(self)
-        trainer.callbacks.insert(0, self._metrics_logger)
+        insert_first(trainer, self._metrics_logger)
         if self.is_async:
             self._install_epoch_loop_patches(trainer)
 
@@ -366,6 +386,14 @@ class IvyPSStrategy(DDPStrategy):
 
     def _record_clip_norm(self, norm: float) -> None:
         self._clip_norm = norm
+
+    def _take_clip_value(self) -> float | None:
+        """The value the step's closure asked to clamp to (sync mode), if any; forgotten for the next step."""
+        value, self._clip_value = self._clip_value, None
+        return value
+
+    def _record_clip_value(self, value: float) -> None:
+        self._clip_value = value
 
     def _set_in_train_batch(self, inside: bool) -> None:
         self._in_train_batch = inside
@@ -483,6 +511,16 @@ class IvyPSStrategy(DDPStrategy):
             return dict(enumerate(parts_list))
         return {self.global_rank: tensor}
 
+    def _refuse_in_async_batch(self, what: str) -> None:
+        """A user's collective inside a training batch in async/ssp would wait for workers that are elsewhere
+        (Lightning's own per-batch broadcasts, as the tuner's, meet: every rank runs the same steps there)."""
+        if self._in_train_batch and self.is_async and self.world_size > 1:
+            raise RuntimeError(
+                f"IvyPSStrategy(mode={self.mode!r}): {what} inside a training batch would wait for the other "
+                "workers, which are not in lockstep (each trains the batches it is handed): do it at the epoch's "
+                "end (on_train_epoch_end, validation), or use mode='sync'"
+            )
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         members = self._members()
@@ -493,17 +531,29 @@ class IvyPSStrategy(DDPStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` in a typed encoding, never pickle (DDP's broadcast unpickles what a peer sent):
+        what Lightning broadcasts (paths, numbers, containers, tensors) fits it; anything else is a ValueError on
+        every rank."""
         members = self._members()
         if members is None:
-            return obj if self._after_loss("a broadcast") else super().broadcast(obj, src)
-        try:  # a typed encoding, not pickle: what Lightning broadcasts (paths, numbers, tensors) fits it
-            blob = typed_state.encode(obj) if self.global_rank == src else b""
-        except ValueError as exc:
-            raise ValueError(f"IvyPSStrategy.broadcast of a {type(obj).__name__} through the PS: {exc}") from None
-        parts = members.gather(blob, f"a broadcast from rank {src}")
-        if src not in parts:
-            raise RuntimeError(f"IvyPSStrategy.broadcast: rank {src} is gone")
-        return obj if self.global_rank == src else typed_state.decode(parts[src])
+            if self._after_loss("a broadcast") or not torch.distributed.is_initialized():
+                return obj
+            try:
+                value = broadcast_typed(obj, src)
+            except ValueError as exc:
+                raise ValueError(f"IvyPSStrategy.broadcast: {exc}") from None
+        else:
+            blob = typed_or_refusal(obj, src) if self.global_rank == src else b""
+            parts = members.gather(blob, f"a broadcast from rank {src}")
+            if src not in parts:
+                raise RuntimeError(f"IvyPSStrategy.broadcast: rank {src} is gone")
+            try:
+                value = from_typed_or_refusal(parts[src])
+            except ValueError as exc:
+                raise ValueError(f"IvyPSStrategy.broadcast: {exc}") from None
+        if self.global_rank == src:
+            return obj
+        return apply_to_collection(value, torch.Tensor, lambda t: t.to(self.root_device))
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -538,6 +588,7 @@ class IvyPSStrategy(DDPStrategy):
 
     @override
     def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        self._refuse_in_async_batch("an all_gather (self.all_gather)")
         members = self._members()
         if members is None or not isinstance(tensor, torch.Tensor):
             if isinstance(tensor, torch.Tensor) and self._after_loss("an all_gather"):
@@ -567,8 +618,30 @@ class IvyPSStrategy(DDPStrategy):
         self._sync()
         super().on_validation_start()
 
+    def pull_final_model(self) -> None:
+        """The end of training: every worker pulls the global model (once; :class:`PSMetricsLogger` calls this
+        before the user's callbacks' ``on_train_end``, this strategy's ``on_train_end`` where it did not run)."""
+        if not self._final_model_pulled:
+            self._final_model_pulled = True
+            self._sync()
+            self._share_checkpoint_paths()
+
+    def _share_checkpoint_paths(self) -> None:
+        """async/ssp: every rank's ``ModelCheckpoint`` takes rank 0's paths and scores (collective).
+
+        Only rank 0 writes checkpoints, and each rank names them from its own step count, so another rank's
+        ``best_model_path``, ``ckpt_path="best"``/``"last"`` would name files that were never written."""
+        trainer = trainer_of(self.lightning_module)
+        if not self.is_async or self.world_size < 2 or trainer is None:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            state = self.broadcast(callback.state_dict())
+            if self.global_rank != 0:
+                callback.load_state_dict(state)
+
     def on_train_end(self) -> None:
-        self._sync()
+        self.pull_final_model()
+        self._final_model_pulled = False  # the next fit pulls again
         super().on_train_end()
 
     def ps_metrics(self) -> dict[str, float]:
@@ -601,7 +674,29 @@ class IvyPSStrategy(DDPStrategy):
         if optimizer is self.optimizers[0]:
             state[CHECKPOINT_KEY] = self._client.state_dict()
         state["worker_optimizer"] = optimizer.state_dict()
+        if optimizer is self._local_updates:  # each worker's local optimizer state is its own: every one is kept
+            state[LOCAL_STATES_KEY] = self._gather_local_states(state["worker_optimizer"])
         return state
+
+    def _gather_local_states(self, mine: dict[str, Any]) -> dict[int, Any] | None:
+        """Every live worker's local-update optimizer state, by rank, on rank 0 (``None`` elsewhere): only rank 0
+        writes the checkpoint. On the PS's worker group (CPU, bounded by the PS ``timeout``), as the PS state's save
+        is; typed encoding, never pickle; a state that cannot be encoded fails on every rank."""
+        assert self._client is not None
+        what = "the workers' local optimizer states"
+        blob = typed_or_refusal(mine, self.global_rank, "save")
+        members = self._members()
+        if members is not None:
+            parts = members.gather(blob, what)
+        else:
+            parts = dict(enumerate(self._client.workers.share_all(blob)))
+        for raw in parts.values():
+            reason = refusal_in(raw)
+            if reason is not None:
+                raise ValueError(f"IvyPSStrategy: cannot save {what}: {reason}")
+        if self.global_rank != 0:
+            return None
+        return {rank: from_typed_or_refusal(raw) for rank, raw in parts.items()}
 
     @staticmethod
     def _check_resumable(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -638,7 +733,25 @@ class IvyPSStrategy(DDPStrategy):
                 f"this checkpoint holds {len(states)} optimizers' states; the module configures {len(self.optimizers)}"
             )
         for optimizer, entry in zip(self.optimizers, states, strict=True):
-            optimizer.load_state_dict(entry["worker_optimizer"])
+            optimizer.load_state_dict(self._own_optimizer_state(optimizer, entry))
         self._client.load_state_dict(state[CHECKPOINT_KEY])  # collective; ends with every rank pulling
         if self._local_updates is not None:
             self._local_updates.reset_snapshot()
+
+    def _own_optimizer_state(self, optimizer: Optimizer, entry: Mapping[str, Any]) -> Any:
+        """This rank's own local-update optimizer state where the checkpoint holds it, else the saved one (rank 0's;
+        for optimizers the servers step it holds only hyperparameters, the same on every rank)."""
+        if optimizer is not self._local_updates:
+            return entry["worker_optimizer"]
+        own = (entry.get(LOCAL_STATES_KEY) or {}).get(self.global_rank)
+        if own is not None:
+            return own
+        if self.global_rank != 0:
+            saved = sorted(entry.get(LOCAL_STATES_KEY) or {})
+            log.warning(
+                "IvyPSStrategy: the checkpoint holds no local optimizer state of rank %d (%s): it resumes with rank "
+                "0's (its moments, for AsyncLAMB or LocalUpdates' inner optimizer, are rank 0's)",
+                self.global_rank,
+                f"saved by rank(s) {saved}" if saved else "written before each rank's was kept",
+            )
+        return entry["worker_optimizer"]

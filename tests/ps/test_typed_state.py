@@ -6,7 +6,9 @@ import contextlib
 import pickle
 import random
 import struct
+from pathlib import Path, PurePosixPath
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +60,28 @@ def test_round_trip_is_exact_for_an_optimizer_state_and_odd_values() -> None:
     _same(typed_state.decode(typed_state.encode(state)), state)
 
 
+def test_paths_come_back_as_paths() -> None:
+    got = typed_state.decode(typed_state.encode({"dir": Path("/runs/a"), "pure": PurePosixPath("b/c"), "s": "/x"}))
+    assert got == {"dir": Path("/runs/a"), "pure": Path("b/c"), "s": "/x"} and isinstance(got["s"], str)
+    doc = b'{"p":[1]}'
+    bad = struct.pack("<4sIQ", b"IVYS", 1, len(doc)) + doc
+    with pytest.raises(ValueError, match="malformed PS state path"):
+        typed_state.decode(bad)
+
+
+def test_numpy_arrays_and_scalars_come_back_as_numpy() -> None:
+    rng = np.random.default_rng(0)
+    value = {"a": rng.normal(size=(2, 3)), "i": np.arange(5, dtype=np.int8), "n": np.int64(2**40), "b": np.bool_(1)}
+    value["f"], value["empty"] = np.float32(0.25), np.zeros((0, 4), dtype=np.float32)
+    got = typed_state.decode(typed_state.encode(value))
+    for key, want in value.items():
+        assert type(got[key]) is type(want) and got[key].dtype == want.dtype, key
+        np.testing.assert_array_equal(got[key], want)
+    for bad in (np.array(["x"]), np.complex64(1), np.array([object()])):
+        with pytest.raises(ValueError, match="cannot encode a NumPy"):
+            typed_state.encode(bad)
+
+
 def test_a_pickle_or_a_torch_save_blob_is_refused() -> None:
     with pytest.raises(ValueError, match="not a PS state"):
         typed_state.decode(pickle.dumps({"a": 1}))
@@ -73,6 +97,8 @@ def test_malformed_blobs_raise_value_error_never_anything_else() -> None:
     bad.append(struct.pack("<4sIQ", b"IVYS", 1, 30) + b'{"T":["float32",[1000],0,4000]}')
     bad.append(struct.pack("<4sIQ", b"IVYS", 1, 22) + b'{"T":["object",[1],0,8]}')
     bad.append(struct.pack("<4sIQ", b"IVYS", 1, 12) + b'{"d":[[{"l":[]},1]]}')
+    for doc in (b'{"g":["int8",1000]}', b'{"g":["uint8",-1]}', b'{"g":["int64",1e300]}', b'{"N":{"p":"x"}}'):
+        bad.append(struct.pack("<4sIQ", b"IVYS", 1, len(doc)) + doc)  # NumPy values that do not fit
     for _ in range(200):  # random byte flips in the JSON part
         blob = bytearray(good)
         for _ in range(3):

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import math
 import struct
+from pathlib import Path, PurePath
 from typing import Any
 
+import numpy as np
 import torch
 
 MAGIC = b"IVYS"
@@ -37,7 +39,8 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def encode(obj: Any) -> bytes:
-    """``obj`` (dicts with str/int keys, lists, tuples, str, int, float, bool, None, CPU tensors) as bytes."""
+    """``obj`` (dicts with str/int keys, lists, tuples, str, int, float, bool, None, paths, tensors, NumPy arrays
+    and scalars of the dtypes below) as bytes."""
     blobs: list[bytes] = []
     offset = 0
 
@@ -49,6 +52,17 @@ def encode(obj: Any) -> bytes:
             return {"i": str(x)}  # exact at any size (JSON readers may round big integers)
         if isinstance(x, float):
             return {"f": repr(x)} if not math.isfinite(x) else x
+        if isinstance(x, PurePath):  # read back as a pathlib.Path
+            return {"p": str(x)}
+        if isinstance(x, np.generic) and not isinstance(x, (np.str_, np.bytes_, np.void, np.object_)):
+            array = np.asarray(x)
+            if array.dtype.name not in DTYPES or array.dtype.name == "bfloat16":  # as decode reads them
+                raise ValueError(f"cannot encode a NumPy {array.dtype} scalar; allowed: {sorted(DTYPES)}")
+            return {"g": [array.dtype.name, x.item()]}
+        if isinstance(x, np.ndarray):
+            if x.dtype.name not in DTYPES or x.dtype.name == "bfloat16":
+                raise ValueError(f"cannot encode a NumPy array of dtype {x.dtype}; allowed: {sorted(DTYPES)}")
+            return {"N": walk(torch.from_numpy(np.ascontiguousarray(x)))}
         if isinstance(x, torch.Tensor):
             if x.dtype not in _NAMES:
                 raise ValueError(f"cannot encode a tensor of dtype {x.dtype}; allowed: {sorted(DTYPES)}")
@@ -99,6 +113,20 @@ def decode(blob: bytes) -> Any:
             return int(value)
         if kind == "f":
             return float(value)
+        if kind == "g":
+            name, item = value
+            if name not in DTYPES or name == "bfloat16" or not isinstance(item, (bool, int, float)):
+                raise ValueError(f"malformed PS state NumPy scalar {value!r}")
+            return np.dtype(name).type(item)
+        if kind == "N":
+            array = walk(value)
+            if not isinstance(array, torch.Tensor) or array.dtype == torch.bfloat16:
+                raise ValueError(f"malformed PS state NumPy array {str(value)[:80]}")
+            return array.numpy()
+        if kind == "p":
+            if not isinstance(value, str):
+                raise ValueError(f"malformed PS state path {value!r}")
+            return Path(value)
         if kind == "d":
             return {walk(k): walk(v) for k, v in value}
         if kind == "l":
@@ -120,5 +148,5 @@ def decode(blob: bytes) -> Any:
 
     try:
         return walk(doc)
-    except (TypeError, KeyError, AttributeError, RecursionError) as exc:  # an unhashable key, a wrong arity
+    except (TypeError, KeyError, AttributeError, RecursionError, OverflowError) as exc:  # an unhashable key, ...
         raise ValueError(f"malformed PS state: {exc}") from None

@@ -79,6 +79,7 @@ def reference_training(
     world_size: int,
     clip: float | None = None,
     seed: int = 0,
+    clip_value: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Single-process training on the concatenation of every rank's batch (what sync PS and DDP must equal).
 
@@ -106,6 +107,8 @@ def reference_training(
             (loss / world_size).backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            if clip_value is not None:
+                torch.nn.utils.clip_grad_value_(ref.parameters(), clip_value)
             opt.step()
         if sched is not None:
             sched.step()

@@ -4,7 +4,9 @@ For each (mode, num_servers or the address of an ``ivyplug serve``): ``validate`
 then ``validate``, ``test``, ``predict`` and a second ``fit`` with a larger ``max_epochs`` on the same
 Trainer, with Lightning's own ``BoringModel``. Each rank writes one JSON file per configuration into the
 folder named first on the command line (printed lines of two ranks may interleave): the stages that ran,
-the global step after each fit and a checksum of its parameters (equal on both ranks: the global model).
+the global step after each fit and a checksum of its parameters (equal on both ranks: the global model), and
+what two broadcasts from rank 0 gave: one of the values Lightning broadcasts, and one that only pickle could
+carry (which must fail on every rank, never be unpickled).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 from ivyplug.integrations.lightning import IvyPSStrategy
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 MODES = {"ivy_ps": "async", "ivy_ps_sync": "sync", "ivy_ps_ssp": "ssp"}
@@ -42,6 +44,8 @@ def run(name: str, servers: str) -> dict[str, object]:
         limit_predict_batches=2,
     )
     model = BoringModel()
+    in_fit = BroadcastInFit()
+    trainer.callbacks.append(in_fit)
     done: list[str] = []
     steps: list[int] = []
     trainer.validate(model)
@@ -57,6 +61,7 @@ def run(name: str, servers: str) -> dict[str, object]:
     done.append("fit")
     steps.append(trainer.global_step)
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    broadcast, refused = broadcasts(trainer)
     return {
         "config": f"{name}/{servers}",
         "rank": trainer.global_rank,
@@ -64,7 +69,43 @@ def run(name: str, servers: str) -> dict[str, object]:
         "steps": steps,
         "checksum": checksum,
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "broadcast": broadcast,
+        "refused": refused,
+        "in_fit": in_fit.seen,
     }
+
+
+def broadcasts(trainer: Trainer) -> tuple[dict[str, object], str]:
+    """What rank 0's value arrives as, and the error a value only pickle carries raises, on this rank."""
+    rank = trainer.global_rank
+    sent = {"path": Path(f"/runs/{rank}/last.ckpt"), "epoch": 2 + rank, "t": torch.arange(3) + rank}
+    got = trainer.strategy.broadcast(sent)
+    broadcast = {k: v.tolist() if isinstance(v, torch.Tensor) else repr(v) for k, v in got.items()}
+    try:
+        trainer.strategy.broadcast(Unpicklable(rank))
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return broadcast, refused
+
+
+class BroadcastInFit(Callback):
+    """The same two broadcasts at the end of a fit's first epoch (through the PS's worker group where it has
+    one: servers outside the workers)."""
+
+    def __init__(self) -> None:
+        self.seen: list[object] = []
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: object) -> None:
+        if not self.seen:
+            self.seen = list(broadcasts(trainer))
+
+
+class Unpicklable:
+    """A value pickle would carry across (and run code to rebuild); the strategy's broadcast must refuse it."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
 
 
 def main() -> None:

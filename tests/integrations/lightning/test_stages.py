@@ -36,6 +36,11 @@ def check_stages(tmp_path: Path, configs: list[str], out: str) -> None:
         assert all(r["steps"][1] > r["steps"][0] > 0 for r in ranks), (config, ranks)
         # both ranks end with the global model (pulled at the end of fit)
         assert ranks[0]["checksum"] == ranks[1]["checksum"], (config, ranks)
+        # rank 0's value on both ranks, types kept; a value only pickle carries refused on both, naming its type
+        for r in ranks:
+            for broadcast, refused in ((r["broadcast"], r["refused"]), r["in_fit"]):
+                assert broadcast == {"path": repr(Path("/runs/0/last.ckpt")), "epoch": "2", "t": [0, 1, 2]}, config
+                assert "cannot broadcast a Unpicklable from rank 0 without pickle" in refused, (config, r)
 
 
 @pytest.mark.slow

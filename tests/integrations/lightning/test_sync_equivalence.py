@@ -138,3 +138,86 @@ def test_sync_lamb_clip_steplr_equals_single_process_and_ddp() -> None:
     assert max_abs_diff(no_decay, expected) > 1e-4
     no_clip = reference_training(init, _lamb_with_step_lr, x[:512], y[:512], 2, BATCH, 2, None, 1)
     assert max_abs_diff(no_clip, expected) > 1e-4
+
+
+def test_sync_value_clipping_clamps_the_combined_gradient_as_ddp_does() -> None:
+    """gradient_clip_algorithm="value": DDP clamps the averaged gradient, so sync clamps the combined one on the
+    servers (a clamp of each worker's gradient before combining is not the same): PS sync == one process."""
+    seed_everything(1)
+    init = DigitsMLP(hidden=128, lr=0.2, optimizer="sgd", train_size=512, batch_size=BATCH)
+    x, y, _, _ = digits_tensors()
+
+    def sgd(m: Any) -> tuple[torch.optim.Optimizer, Any]:
+        return torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9), None
+
+    expected = reference_training(init, sgd, x[:512], y[:512], 2, BATCH, world_size=2, seed=1, clip_value=0.01)
+    model = copy.deepcopy(init)
+    with reaped_children():
+        quiet_trainer(
+            IvyPSStrategy(mode="sync", start_method="spawn", timeout=60),
+            devices=2,
+            max_epochs=2,
+            gradient_clip_val=0.01,
+            gradient_clip_algorithm="value",
+            limit_val_batches=0,
+        ).fit(model)
+    assert max_abs_diff(params_of(model), expected) <= 1e-5
+    no_clip = reference_training(init, sgd, x[:512], y[:512], 2, BATCH, world_size=2, seed=1)
+    assert max_abs_diff(no_clip, expected) > 1e-3  # the clamp acted
+
+
+class _LocalAdamW(DigitsMLP):
+    """AdamW inside LocalUpdates: each worker's moments are its own (the servers merge parameter deltas)."""
+
+    def configure_optimizers(self) -> Any:
+        from ivyplug.optim import LocalUpdates
+
+        return LocalUpdates(torch.optim.AdamW(self.parameters(), lr=self.hparams.lr), sync_every=4)
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for k in sorted(state, key=str) for t in _tensors(state[k])]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
+def test_sync_local_updates_resume_with_each_workers_own_optimizer_state(tmp_path: Path) -> None:
+    """LocalUpdates(AdamW), sync: the checkpoint keeps every worker's own inner moments, and a resume from epoch 1
+    ends bitwise where the uninterrupted fit did. The control, the same checkpoint holding rank 0's state only (as
+    written before), resumes every rank with rank 0's moments and ends elsewhere."""
+    seed_everything(0)
+    init = _LocalAdamW(hidden=64, lr=0.01, train_size=512, batch_size=BATCH)
+
+    def fit(model: DigitsMLP, ckpt_path: Path | None = None, checkpoints: Path | None = None) -> None:
+        callbacks = [ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1)] if checkpoints else []
+        with reaped_children():
+            quiet_trainer(
+                IvyPSStrategy(mode="sync", start_method="spawn", timeout=60),
+                devices=2,
+                max_epochs=3,
+                limit_val_batches=0,
+                enable_checkpointing=bool(checkpoints),
+                callbacks=callbacks,
+            ).fit(model, ckpt_path=ckpt_path)
+
+    whole = copy.deepcopy(init)
+    fit(whole, checkpoints=tmp_path)
+    checkpoint = torch.load(tmp_path / "epoch=0.ckpt", weights_only=False)
+    entry = checkpoint["optimizer_states"][0]
+    own = entry["worker_optimizers"]
+    assert sorted(own) == [0, 1]
+    assert any(not torch.equal(a, b) for a, b in zip(_tensors(own[0]), _tensors(own[1]), strict=True))
+
+    resumed = copy.deepcopy(init)
+    fit(resumed, ckpt_path=tmp_path / "epoch=0.ckpt")
+    assert max_abs_diff(params_of(resumed), params_of(whole)) == 0.0
+
+    del entry["worker_optimizers"]
+    torch.save(checkpoint, tmp_path / "rank0_only.ckpt")
+    control = copy.deepcopy(init)
+    fit(control, ckpt_path=tmp_path / "rank0_only.ckpt")
+    assert max_abs_diff(params_of(control), params_of(whole)) > 1e-4

@@ -26,8 +26,10 @@ sync mode every exchange is a step of all workers together: give them the same s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +37,7 @@ import keras
 import numpy as np
 from ivyplug.integrations.keras import autoregister as _autoregister
 from ivyplug.integrations.keras.lamb import LAMB
+from ivyplug.integrations.keras.model_access import inner_optimizer, steps_in_call
 
 from ivyplug.ps.config import PSConfig
 
@@ -45,11 +48,13 @@ class AsyncLAMB(LAMB):
 
     Args: :class:`~ivyplug.integrations.keras.LAMB`'s, plus ``sync_every`` (local steps between two
     exchanges, >= 1, or ``"auto"``: chosen by each worker from its measured step and exchange times, re-chosen
-    at every epoch's end), ``overlap`` (run each exchange in the background while local steps go on; the rule
-    is ``ivyplug.localsgd.delta_exchange``'s), ``merge_rate (``outer="average"``; ``None``: 1.0 in sync mode,
-    1/num_workers in async/ssp) and the outer optimizer's ``outer``, ``outer_lr``, ``outer_momentum``,
-    ``outer_momentum_every`` (names, defaults and meaning as for :class:`ivyplug.optim.AsyncLAMB`; ``outer="lamb"``
-    clips its trust ratio to ``max_trust_ratio``). The exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
+    at every epoch's end; with ``steps_per_execution`` > 1 an exchange waits for the end of the call that
+    reaches the period, so periods round up to whole calls), ``overlap`` (run each exchange in the background
+    while local steps go on; the rule is ``ivyplug.localsgd.delta_exchange``'s), ``merge_rate``
+    (``outer="average"``; ``None``: 1.0 in sync mode, 1/num_workers in async/ssp) and the outer optimizer's
+    ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_momentum_every`` (names, defaults and meaning as for
+    :class:`ivyplug.optim.AsyncLAMB`; ``outer="lamb"`` clips its trust ratio to ``max_trust_ratio``). The
+    exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
 
     Example:
         >>> import keras
@@ -154,12 +159,13 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self,
         mode: str = "async",
         staleness: int | None = None,
+        *,
         staleness_scaling: str | None = None,
         timeout: float | None = None,
+        nonfinite: str | None = None,
         servers: str | None = None,
         token: str | None = None,
         wire_dtype: str | None = None,
-        nonfinite: str | None = None,
         shared_memory: bool | None = None,
     ) -> None:
         super().__init__()
@@ -169,17 +175,18 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             staleness=staleness,
             staleness_scaling=staleness_scaling,
             timeout=timeout,
+            nonfinite=nonfinite,
             servers=servers,
             token=token,
             wire_dtype=wire_dtype,
-            nonfinite=nonfinite,
             shared_memory=shared_memory,
         )
         self.client: Any = None
         self._delta: Any = None
         self._variables: list[Any] = []
         self._tensors: list[Any] = []
-        self._local = 0
+        self._local = 0  # local steps since the last exchange
+        self._chunk_begin = 0  # the first step of the call in progress (steps_per_execution)
         self._period: Any = None  # the current local steps per exchange (ivyplug.localsgd.sync_period.SyncPeriod)
         self._overlap = False
         self._own_group = False
@@ -223,7 +230,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         from ivyplug.localsgd.delta_exchange import check_overlap_mode
 
-        optimizer = self.model.optimizer
+        optimizer = inner_optimizer(self.model)  # under mixed precision Keras wraps it in a LossScaleOptimizer
         if not isinstance(optimizer, AsyncLAMB):
             raise ValueError(f"AsyncLAMBExchange needs a model compiled with AsyncLAMB, got {type(optimizer).__name__}")
         check_overlap_mode(bool(optimizer.overlap), self.config.mode)  # before any group or server starts
@@ -282,7 +289,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         """Close the client and drop the process group this callback made, whatever of them exists."""
         try:
             if self.client is not None:
-                self.client.close()
+                with _same_epochs_hint():  # the others' goodbyes: a worker still training sends none
+                    self.client.close()
         finally:
             self.client = None
             self._in_fit = False
@@ -319,13 +327,17 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._local = 0
         self._write_back()
 
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._chunk_begin = batch
+
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self.client is None:
             return
         if self._overlap:
             self._delta.raise_failed()  # an exchange that failed in the background stops fit here
-        self._local += 1
-        self._period.step_ended()
+        steps = steps_in_call(self.params, self._chunk_begin, batch)  # steps_per_execution > 1: several
+        self._local += steps
+        self._period.step_ended(steps)
         if self._local >= self._period.value:
             self._exchange()
 
@@ -352,7 +364,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             if self._overlap:
                 self._delta.finish()  # nothing trained since the exchange's write-back: the tensors are current
                 self._write_back()
-        self.client.sync()
+        with _same_epochs_hint():
+            self.client.sync()
         self._delta.reset_snapshot()  # overlap: the pulled shadows become the variables' values
         self._write_back()
         self._period.pause()  # what runs next (validation) is no local step
@@ -360,6 +373,23 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._in_fit and self.client is not None:  # validation inside fit sees the global model
             self._meet()
+
+
+@contextlib.contextmanager
+def _same_epochs_hint() -> Iterator[None]:
+    """A meeting of the workers (``sync()``, the goodbyes at close) that timed out says the likely cause: workers
+    that run different epochs. A timeout of the servers' (a push's reply) is left as it is."""
+    from ivyplug.ps.wire.transport import PSTimeoutError
+
+    try:
+        yield
+    except PSTimeoutError as exc:
+        raise PSTimeoutError(
+            f"{exc}. AsyncLAMBExchange: the workers meet before each validation and at the end of fit, so each "
+            "must run the same epochs and validate alike; a worker stopped early (EarlyStopping on a per-worker "
+            "metric such as 'loss') leaves the others waiting. Monitor a 'val_' metric instead: validation runs "
+            "on the global model, the same on every worker"
+        ) from exc
 
 
 def _warn_unused_num_servers() -> None:

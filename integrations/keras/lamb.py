@@ -159,6 +159,13 @@ class LAMB(keras.optimizers.Optimizer):
         min_trust_ratio, max_trust_ratio = check_trust_bounds(min_trust_ratio, max_trust_ratio)
         if max_grad_norm is not None:
             max_grad_norm = check_real("max_grad_norm", max_grad_norm, "None or a finite float > 0", lambda x: x > 0)
+            for option in ("clipnorm", "global_clipnorm"):
+                if kwargs.get(option) is not None:  # as Keras refuses clipnorm with global_clipnorm
+                    raise ValueError(
+                        f"LAMB: pass one of max_grad_norm and {option}, not both: {option} clips each replica's "
+                        "gradient before Keras's cross-replica sum, max_grad_norm the summed gradient after it (the "
+                        "same step as on one device); both would clip twice"
+                    )
         layer_patterns = check_patterns("exclude_from_layer_adaptation", exclude_from_layer_adaptation)
         decay_patterns = check_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
 

@@ -80,13 +80,14 @@ class SyncPeriod:
         """What the user asked for: the fixed H, or ``"auto"``."""
         return "auto" if self.auto else self.value
 
-    def step_ended(self) -> None:
-        """A local step ended (call after the inner step, before a possible exchange)."""
+    def step_ended(self, steps: int = 1) -> None:
+        """``steps`` local steps ended since the last call (Keras runs ``steps_per_execution`` in one call; call
+        after the inner step, before a possible exchange)."""
         if not self.auto:
             return
         now = self._clock()
         if self._last_end is not None:
-            self._steps.append(now - self._last_end)
+            self._steps.append((now - self._last_end) / steps)
         self._last_end = now
 
     def exchange_started(self) -> None:

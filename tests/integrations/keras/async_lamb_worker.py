@@ -1,7 +1,8 @@
-"""One Keras worker of the AsyncLAMB test: ``python -m tests.integrations.keras.async_lamb_worker OUT MODE``.
+"""One Keras worker of the AsyncLAMB test: ``python -m tests.integrations.keras.async_lamb_worker OUT MODE [stop0]``.
 
 Started twice with torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); each worker fits the
-digits MLP on its own half of the training set and writes its final weights and validation accuracy.
+digits MLP on its own half of the training set and writes its final weights and validation accuracy. With
+``stop0``, rank 0 stops after its first epoch (as an EarlyStopping on its own loss would) and the PS timeout is 3 s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
+    stop0 = sys.argv[3:] == ["stop0"]
     import keras
     import numpy as np
     from ivyplug.integrations.keras import AsyncLAMB, AsyncLAMBExchange
@@ -34,14 +36,19 @@ def main() -> None:
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    exchange = AsyncLAMBExchange(mode=mode, timeout=60)
+    exchange = AsyncLAMBExchange(mode=mode, timeout=3 if stop0 else 60)
+
+    class StopRank0(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: object = None) -> None:
+            self.model.stop_training = rank == 0
+
     history = model.fit(
         x[mine],
         y[mine],
         batch_size=32,
         epochs=5,
         validation_data=(x[val], y[val]),
-        callbacks=[exchange],
+        callbacks=[exchange, StopRank0()] if stop0 else [exchange],
         verbose=0,
     )
     weights = [w.tolist() for w in model.get_weights()]

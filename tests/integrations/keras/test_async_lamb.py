@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from tests.ports import free_port
 from tests.ps.diffs import max_abs_diff
 
 REPO = Path(__file__).resolve().parents[3]
+WORKER_MODULE = "tests.integrations.keras.async_lamb_worker"
 
 
 def _model(seed: int = 0) -> keras.Model:
@@ -96,6 +100,34 @@ def test_one_worker_exchanges_every_h_steps_and_matches_lamb(overlap: bool) -> N
     assert history.history["ivy/rank0/pushes"] == [2.0, 5.0]
     assert history.history["ivy/rank0/nonfinite_skipped"] == [0.0, 0.0]
     assert history.history["ivy/rank0/bytes_sent"] == [0.0, 0.0]  # one worker: its shard is in-process
+
+
+@pytest.mark.skipif(keras.backend.backend() == "torch", reason="Keras's torch trainer runs one step per call")
+def test_steps_per_execution_counts_steps_not_calls() -> None:
+    """Two steps per call, the last of each 5-step epoch one (Keras reports it as two), H = 2, 3 epochs: exchanges
+    after steps 2, 4; 7, 9; 12, 14 and the end's flush of step 15: 7. Counting that last call as two steps
+    would make 9, counting calls 5."""
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=AsyncLAMB(learning_rate=0.02, sync_every=2), loss="mse", steps_per_execution=2)
+    exchange = AsyncLAMBExchange(mode="async")
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False, callbacks=[exchange])
+    assert exchange.exchanges == 7
+
+
+def test_mixed_precision_wraps_async_lamb_and_the_exchange_still_runs() -> None:
+    """Under a mixed policy Keras compiles the optimizer into a LossScaleOptimizer; the exchange uses the one inside."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = _data()
+        model = _model()
+        model.compile(optimizer=AsyncLAMB(learning_rate=0.02, sync_every=2), loss="mse")
+        assert type(model.optimizer).__name__ == "LossScaleOptimizer"
+        exchange = AsyncLAMBExchange(mode="async")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[exchange])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert exchange.exchanges == 3 and all(np.isfinite(w).all() for w in model.get_weights())
 
 
 def test_a_nonfinite_delta_is_dropped_counted_and_logged_and_the_worker_goes_on_from_the_global_copy() -> None:
@@ -357,33 +389,41 @@ def _close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_two_keras_workers_merge_their_deltas_as_the_server_rule_says(tmp_path: Path, mode: str) -> None:
-    """Two Keras processes (digits MLP, H = 4): every pushed delta and every pulled global copy is recorded,
-    and a float64 replay of the merge rule on those deltas gives every pulled copy and the final model."""
+def _two_workers(args: list[str], timeout: float) -> tuple[list[int], list[str]]:
+    """Run ``python *args`` as ranks 0 and 1 of a two-worker job (torchrun's variables), each in a session of its
+    own that is killed whole at the end, however the test ends; their return codes and outputs."""
     port = free_port()
-    procs = []
+    procs: list[subprocess.Popen[str]] = []
     try:
         for rank in (0, 1):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", _RECORDING_WORKER, str(tmp_path), mode],
+                    [sys.executable, *args],
                     cwd=str(REPO),
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
+                    start_new_session=True,
                 )
             )
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-        assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    return [p.returncode for p in procs], outputs
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_two_keras_workers_merge_their_deltas_as_the_server_rule_says(tmp_path: Path, mode: str) -> None:
+    """Two Keras processes (digits MLP, H = 4): every pushed delta and every pulled global copy is recorded,
+    and a float64 replay of the merge rule on those deltas gives every pulled copy and the final model."""
+    codes, outputs = _two_workers(["-c", _RECORDING_WORKER, str(tmp_path), mode], timeout=240)
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     import pickle
 
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -431,6 +471,18 @@ def test_two_keras_workers_merge_their_deltas_as_the_server_rule_says(tmp_path: 
     for x in wrong:
         with pytest.raises(AssertionError):
             _close(records[0]["final"], x)
+
+
+def test_a_worker_that_stops_early_ends_the_others_within_timeout_naming_the_likely_cause(tmp_path: Path) -> None:
+    """Rank 0 stops after its first epoch; rank 1 goes on to validate alone. Both end with the PS's timeout error
+    (3 s) and the hint that every worker must run the same epochs, not an unexplained wait."""
+    started = time.monotonic()
+    codes, outputs = _two_workers(["-m", WORKER_MODULE, str(tmp_path), "async", "stop0"], timeout=150)
+    took = time.monotonic() - started
+    assert 0 not in codes, "\n".join(o[-3000:] for o in outputs)
+    for out in outputs:
+        assert "PSTimeoutError" in out and "must run the same epochs" in out and "'val_' metric" in out, out[-3000:]
+    assert took < 120, took
 
 
 def test_docstring_example_runs() -> None:

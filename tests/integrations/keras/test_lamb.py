@@ -209,6 +209,14 @@ def test_invalid_hyperparameters_raise_value_error_naming_them(name: str, value:
         LAMB(**{name: value})
 
 
+@pytest.mark.parametrize("keras_clip", ["clipnorm", "global_clipnorm"])
+def test_max_grad_norm_with_a_keras_norm_clip_is_refused(keras_clip: str) -> None:
+    with pytest.raises(ValueError, match=f"pass one of max_grad_norm and {keras_clip}, not both"):
+        LAMB(max_grad_norm=1.0, **{keras_clip: 1.0})
+    LAMB(**{keras_clip: 1.0})  # each alone is fine, and so is an element-wise clip beside max_grad_norm
+    LAMB(max_grad_norm=1.0, clipvalue=0.5)
+
+
 CONFIG = {
     "learning_rate": 0.01,
     "beta_1": 0.8,

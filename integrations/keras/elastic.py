@@ -111,6 +111,11 @@ class ElasticDataset:
         self._produced: tf.Variable | None = None
         self._py_produced = -1  # the last batch a py_dataset() handed out (-1: none)
         self._permutations: dict[int, np.ndarray] = {}  # pass -> order, for the NumPy indices
+        #: where the next ``fit`` continues the stream, and the learning-rate factor of batch-size changes that
+        #: the last ``fit`` scheduled but did not reach (kept here, not on the callback, so that a new
+        #: ``IvyLoadBalancer`` over this dataset continues where the last one stopped)
+        self.resume_position: int | None = None
+        self.owed_lr_factor = 1.0
         self._check_batch_size(batch_size)
         self._segments = [Segment(0, 0, int(batch_size))]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
 import time
 import warnings
@@ -27,6 +28,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import keras
+from ivyplug.integrations.keras import balancer_backup
+from ivyplug.integrations.keras.balancer_backup import BalancerBackup
 from ivyplug.integrations.keras.elastic import ElasticDataset
 from ivyplug.integrations.keras.load_exchange import exchange_observations
 from ivyplug.integrations.keras.model_access import (
@@ -34,9 +37,11 @@ from ivyplug.integrations.keras.model_access import (
     check_assignable_lr,
     inner_optimizer,
     keras_backend,
+    learning_rate_value,
     model_strategy,
     replica_count,
     scale_learning_rate,
+    steps_in_call,
     worker_count,
 )
 from ivyplug.integrations.keras.noise_watch import GradientNoiseWatch, warn_no_noise, why_no_noise
@@ -60,7 +65,8 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
 
     The options both twins share (this one and ``ivyplug.integrations.lightning.IvyLoadBalancer``) have the same
     names, defaults and meaning, so a config moves between them (``log_every_n_steps=None`` follows each framework's own
-    logging: the Trainer's period, Keras's epoch logs); ``dataset`` and ``device_index`` are Keras's own.
+    logging: the Trainer's period, Keras's epoch logs); ``dataset``, ``device_index`` and ``backup_dir`` are Keras's own
+    (Lightning saves the twin's state in its checkpoints).
 
     Args:
         dataset: the :class:`ElasticDataset` that feeds ``fit``; without one the callback only monitors.
@@ -87,6 +93,10 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         oom_max_parts: the most micro-batches per replica a step that ran out of memory is split into
             before :class:`~ivyplug.load.OutOfMemoryRecoveryError` (1: no splitting).
         device_index: the GPU index whose readings decide (``None``: host CPU and memory).
+        backup_dir: the ``backup_dir`` of the fit's ``keras.callbacks.BackupAndRestore``: the batch size, the
+            stream position and the learning-rate factors are saved there at every epoch's end, so that a fit
+            it resumes continues at the batch size the restored learning rate belongs to (``None``: a resumed fit
+            starts at the dataset's batch size, warned once).
 
     Example::
 
@@ -126,6 +136,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         oom_recovery: bool = True,
         oom_max_parts: int = 8,
         device_index: int | None = None,
+        backup_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         if dataset is not None and not isinstance(dataset, ElasticDataset):
@@ -134,6 +145,15 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
             isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0
         ):
             raise ValueError(f"device_index must be None or an int >= 0, got {device_index!r}")
+        if backup_dir is not None and (not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir)):
+            raise ValueError(f"backup_dir must be None or a BackupAndRestore's backup_dir path, got {backup_dir!r}")
+        if backup_dir is not None and "://" in os.fspath(backup_dir):
+            raise ValueError(f"backup_dir must be a local folder (or a mounted one), got {os.fspath(backup_dir)!r}")
+        if backup_dir is not None and dataset is None:
+            raise ValueError(
+                "backup_dir needs an ElasticDataset: without one IvyLoadBalancer only monitors and has nothing to "
+                "restore (pass the dataset, or backup_dir=None)"
+            )
         given = locals()
         self.config = BalancerConfig(**{k: given[k] for k in BalancerConfig.option_names()})  # names a bad one
         self.core = BalancerCore(self.config)
@@ -145,6 +165,8 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         )
         self.dataset = dataset
         self.device_index = device_index
+        self.backup_dir = None if backup_dir is None else os.fspath(backup_dir)
+        self.restored: BalancerBackup | None = None  # the backup this fit resumed from
         self.sampler: Sampler | None = None
         self.epoch = 0  # the epoch in progress (a ScriptedProbe clock can read it)
         self.step = 0  # global steps consumed in the current fit
@@ -163,7 +185,6 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self._step_calls: list[float] = []
         self._rule = "none"
         self._pending: list[tuple[int, float]] = []  # (step, LR factor) not applied yet
-        self._next_start: tuple[int, int] | None = None  # (B, stream position) for the next fit
         self._chunk_begin = 0
         self._hook_s = 0.0  # time spent in this callback's hooks this epoch
         self._batch_t = self._epoch_t0 = self._last_batch_t = 0.0
@@ -177,14 +198,14 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         policy = self.config.policy
         options["probes"] = [probe_config(p) for p in self.probe_specs]
         options["policy"] = None if policy is None else dataclasses.asdict(policy)
-        return {**options, "device_index": self.device_index}
+        return {**options, "device_index": self.device_index, "backup_dir": self.backup_dir}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], dataset: ElasticDataset | None = None) -> IvyLoadBalancer:
         """Build from a config dict (``get_config()`` output, or a hand-written subset of it)."""
         if not isinstance(config, Mapping):
             raise ValueError(f"config must be a dict of IvyLoadBalancer arguments, got {config!r}")
-        known = {*BalancerConfig.option_names(), "device_index"}
+        known = {*BalancerConfig.option_names(), "device_index", "backup_dir"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"unknown IvyLoadBalancer config keys {unknown}; allowed: {sorted(known)}")
@@ -228,9 +249,27 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         optimizer = inner_optimizer(self.model)
         self._rule = resolve_rule(self.config.lr_scaling, optimizer)
-        check_assignable_lr(optimizer, self._rule)
+        if self.dataset is not None and self.config.adapt_batch_size:  # else it never changes the learning rate
+            check_assignable_lr(optimizer, self._rule)
+        owed = math.prod(f for _, f in self._pending)  # left over from a fit that ended without on_train_end
+        self.restored = restored = self._restore()
+        pending: list[tuple[int, float]] = []
+        if self.dataset is not None:
+            if self.dataset.num_replicas != self._replicas():
+                raise ValueError(
+                    f"the ElasticDataset was built for {self.dataset.num_replicas} replica(s) but the model's "
+                    f"strategy has {self._replicas()}: pass model.distribute_strategy to tf_dataset()"
+                )
+            if restored is not None:  # the schedule as it stood when the backup was taken, whatever this process held
+                pending = [(int(ahead), float(f)) for ahead, f in restored.pending]
+            else:
+                owed *= self.dataset.owed_lr_factor  # this fit trains at the batch size the last one scheduled
+                pending = [(0, owed)] if owed != 1.0 else []
+            if pending:
+                check_assignable_lr(optimizer, self._rule)  # the inherited batch size's rate is assigned too
+        # Checked: from here on a refusal cannot lose the learning rate a batch size owes.
         self.step = 0
-        self._pending = [(0, f) for _, f in self._pending]  # left over from an interrupted fit: apply first
+        self._pending = pending
         if self.dataset is None:
             warnings.warn(
                 "IvyLoadBalancer has no ElasticDataset: it monitors load but cannot change the batch size",
@@ -238,13 +277,17 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
                 stacklevel=2,
             )
         else:
-            if self.dataset.num_replicas != self._replicas():
-                raise ValueError(
-                    f"the ElasticDataset was built for {self.dataset.num_replicas} replica(s) but the model's "
-                    f"strategy has {self._replicas()}: pass model.distribute_strategy to tf_dataset()"
-                )
-            batch, position = self._next_start or (self.dataset.batch_size, self.dataset.position_at(0))
-            self.dataset.restart(batch, start_position=position)
+            if restored is not None:
+                self.core.load_state_dict(restored.core)
+                self.dataset.restart(restored.batch_now, start_position=restored.position)
+                for ahead, size in restored.scheduled:  # changes decided but not reached: at the same steps
+                    self.dataset.set_batch_size(int(size), at_step=int(ahead))
+            else:
+                position = self.dataset.resume_position
+                start = self.dataset.position_at(0) if position is None else position
+                self.dataset.restart(self.dataset.batch_size, start_position=start)
+            batch = self.dataset.batch_size
+            self.dataset.owed_lr_factor = 1.0
             self.core.batch_size = batch
             self.core.start(batch)
             if self.policy is None:
@@ -257,6 +300,17 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
+        carried = self.dataset is not None and self.dataset.resume_position is not None  # a refit in this process
+        if self.step == 0 and epoch > 0 and self.restored is None and not carried and self._adapts():
+            self._warn_once(
+                "resumed",
+                f"IvyLoadBalancer: this fit starts at epoch {epoch} (resumed by BackupAndRestore, or initial_epoch) "
+                f"at the ElasticDataset's batch size {self.dataset.batch_size if self.dataset else None}, but a "
+                "learning rate restored with the weights may be the one of a batch size the earlier run reached: "
+                "pass IvyLoadBalancer(backup_dir=...) the BackupAndRestore's backup_dir to restore both"
+                if self.backup_dir is None
+                else f"{self.backup_dir} held no balancer state for it (warned above)",
+            )
         self._epoch_t0 = self._last_batch_t = t
         self.epoch = epoch
         self._epoch_ooms = 0
@@ -270,6 +324,8 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
         self._chunk_begin = batch
+        if self.step == 0 and self.restored is not None:
+            self._check_restored_lr(self.restored)
         while self._pending and self._pending[0][0] <= self.step:
             self._apply_lr(self._pending.pop(0)[1])
         if self._watch is not None and self.dataset is not None:
@@ -282,7 +338,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
-        steps = batch - self._chunk_begin + 1
+        steps = steps_in_call(self.params, self._chunk_begin, batch)
         self._step_calls.append((t - self._batch_t) / steps)
         self._step_walls.append((t - self._last_batch_t) / steps)
         self.step += steps
@@ -309,6 +365,29 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self.noise_history.append(self.noise.value)
         if self.dataset is not None:
             self._decide(epoch, observation)  # an epoch with an OOM shrinks B (ignoring the cooldown)
+            if self.backup_dir is not None:
+                named = balancer_backup.keras_epoch(self.backup_dir)
+                if named == epoch + 1:
+                    self._warn_once(
+                        "backup_order",
+                        "IvyLoadBalancer(backup_dir=...): BackupAndRestore saved this epoch before the balancer did; "
+                        "list IvyLoadBalancer before BackupAndRestore in callbacks, so that a job stopped between "
+                        "the two saves cannot resume weights without the balancer's state",
+                    )
+                state = BalancerBackup(
+                    epochs_done=epoch + 1,
+                    core=self.core.state_dict(),
+                    position=self.dataset.position_at(self.step),
+                    batch_now=self.dataset.batch_size_at(self.step),
+                    scheduled=[
+                        (seg.start_step - self.step, seg.batch_size)
+                        for seg in self.dataset.segments
+                        if seg.start_step > self.step
+                    ],
+                    pending=[(at - self.step, f) for at, f in self._pending],
+                    learning_rate=self._learning_rate(),
+                )
+                balancer_backup.save(self.backup_dir, state, named)
         batch_size = self.dataset.batch_size_at(max(self.step - 1, 0)) if self.dataset is not None else None
         metrics.update(decision_metrics(batch_size, self.lr_factor, self.noise.value))
         metrics["ivy/oom_count"] = float(self.oom_count)
@@ -326,9 +405,11 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self._guard.remove(self.model)
         if self.dataset is not None:
-            # The next fit starts a new iterator at batch 0: continue the stream, with what is scheduled.
-            self._next_start = (self.dataset.batch_size, self.dataset.position_at(self.step))
-        self._pending = [(0, f) for _, f in self._pending]
+            # The next fit starts a new iterator at batch 0: continue the stream, with what is scheduled, and the
+            # learning rate of what is scheduled (on the dataset: a new callback over it continues alike).
+            self.dataset.resume_position = self.dataset.position_at(self.step)
+            self.dataset.owed_lr_factor *= math.prod(f for _, f in self._pending)
+            self._pending = []
         self.close()
 
     def close(self) -> None:
@@ -341,6 +422,59 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
     def _exchange(self, local: LoadObservation) -> list[LoadObservation]:
         """Every worker's observation, identical on every worker (one SUM reduce per epoch)."""
         return exchange_observations(self.strategy, local, self._warn_once)
+
+    def _adapts(self) -> bool:
+        """Whether this balancer may change the batch size (and so the learning rate)."""
+        return self.dataset is not None and self.config.adapt_batch_size
+
+    def _learning_rate(self) -> float:
+        """The optimizer's learning rate now (what ``BackupAndRestore`` saves with the weights)."""
+        return learning_rate_value(self.model)
+
+    def _restore(self) -> BalancerBackup | None:
+        """The backup of the epoch a ``BackupAndRestore`` in ``backup_dir`` resumes this fit at, if any."""
+        if self.backup_dir is None or self.dataset is None:
+            return None
+        epoch, restored = balancer_backup.resumed_state(self.backup_dir)
+        sizes = [] if restored is None else [restored.batch_now, *(size for _, size in restored.scheduled)]
+        if any(size % self.dataset.num_replicas or size > self.dataset.num_samples for size in sizes):
+            self._warn_once(
+                "backup_sizes",
+                f"IvyLoadBalancer: the batch sizes saved in {self.backup_dir} ({sizes}) do not fit this fit's "
+                f"{self.dataset.num_replicas} replica(s) and {self.dataset.num_samples} samples (resumed on other "
+                f"devices?); the fit starts at the ElasticDataset's batch size {self.dataset.batch_size}",
+            )
+            return None
+        if epoch is not None and epoch > 0 and restored is None and self._adapts():
+            self._warn_once(
+                "no_backup",
+                f"IvyLoadBalancer: BackupAndRestore resumes at epoch {epoch} but {self.backup_dir} holds no balancer "
+                f"state for it; the fit starts at the ElasticDataset's batch size {self.dataset.batch_size}",
+            )
+        return restored
+
+    def _check_restored_lr(self, restored: BalancerBackup) -> None:
+        """The learning rate now (``BackupAndRestore``'s) is the saved one, or one that already took the changes
+        scheduled then (a backup taken between epoch ends, after a change landed; the epoch is replayed from its
+        start, so the saved rate is set again and the changes land at their steps)."""
+        if self._rule == "none" or not hasattr(inner_optimizer(self.model).learning_rate, "assign"):
+            return  # the balancer never scales this rate (a schedule, lr_scaling="none")
+        now = self._learning_rate()
+        if math.isclose(now, restored.learning_rate, rel_tol=1e-5):
+            return
+        landed = restored.learning_rate
+        for _, factor in restored.pending:
+            landed *= factor
+            if math.isclose(now, landed, rel_tol=1e-5):
+                scale_learning_rate(self.model, restored.learning_rate / now)
+                return
+        if not math.isclose(now, restored.learning_rate, rel_tol=1e-5):
+            self._warn_once(
+                "restored_lr",
+                f"IvyLoadBalancer: the optimizer's learning rate is {now:g}, not the {restored.learning_rate:g} "
+                f"saved in {self.backup_dir} with batch size {restored.batch_now} (were the weights restored from "
+                "another backup?); the batch size is restored and the learning rate scaled from where it is",
+            )
 
     def _decide(self, epoch: int, observation: LoadObservation) -> None:
         assert self.dataset is not None and self.policy is not None

@@ -6,6 +6,9 @@ copies the values exactly); every worker then runs the same pure policy on the s
 decision. Every worker makes the same collective call in the same order, which MultiWorkerMirroredStrategy
 requires. In one process (one device, MirroredStrategy) the replicas share one callback, so no collective is
 needed. On PyTorch under ``torchrun`` one ``all_reduce`` shares them; several JAX processes do not (warned once).
+The reduce waits as the strategy's own collectives do: MultiWorkerMirroredStrategy merges its
+``communication_options`` (``timeout_seconds``) into every reduce, and torch's ``all_reduce`` has the default group's
+``timeout``; a second bound here would only fire where the next training step's all-reduce waits as long.
 """
 
 from __future__ import annotations

@@ -19,6 +19,17 @@ def inner_optimizer(model: Any) -> Any:
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
+def steps_in_call(params: dict[str, Any] | None, begin: int, end: int) -> int:
+    """The steps one ``train_function`` call ran, from the batch numbers Keras gives its ``on_train_batch_begin``
+    and ``on_train_batch_end``: with ``steps_per_execution`` > 1 it reports ``end = begin + steps_per_execution - 1``
+    even for an epoch's last, shorter call, so ``end`` is clamped to the epoch's last step where it is known
+    (``params["steps"]``)."""
+    steps = (params or {}).get("steps")
+    if isinstance(steps, int) and steps > 0:
+        end = min(end, steps - 1)
+    return max(end - begin + 1, 1)
+
+
 def model_strategy(model: Any) -> Any:
     """The model's ``tf.distribute`` strategy on the TensorFlow backend; ``None`` on the others."""
     return getattr(model, "distribute_strategy", None) if keras_backend() == "tensorflow" else None
@@ -61,6 +72,11 @@ def check_assignable_lr(optimizer: Any, rule: str) -> None:
         )
 
 
+def learning_rate_value(model: Any) -> float:
+    """The model's optimizer's learning rate now, as a float (a variable or a schedule's current value)."""
+    return float(np.asarray(keras.ops.convert_to_numpy(inner_optimizer(model).learning_rate)))
+
+
 def scale_learning_rate(model: Any, factor: float) -> None:
     """Multiply the model's optimizer's learning rate by ``factor`` from the next step on."""
     sync = getattr(model, "jax_state_sync", None)
@@ -68,5 +84,4 @@ def scale_learning_rate(model: Any, factor: float) -> None:
         # JAX trains on a state tuple outside the variables: write it back first, which also makes the
         # next step read its state from the variables again, so the assignment below takes effect.
         sync()
-    variable = inner_optimizer(model).learning_rate
-    variable.assign(float(np.asarray(keras.ops.convert_to_numpy(variable))) * factor)
+    inner_optimizer(model).learning_rate.assign(learning_rate_value(model) * factor)

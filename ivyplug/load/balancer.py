@@ -110,7 +110,9 @@ class BalancerCore:
         """The policy for this fit: the user's, or the options' rules within :func:`policy_bounds` of B."""
         if self.policy is None:
             assert self.batch_size is not None, "the batch size must be known before the policy is built"
-            low, high = policy_bounds(self.config, self.batch_size, workers, multiple, most)
+            # 8 x the B the first fit started with: a fit resumed at a grown B keeps the bounds it had
+            initial = self.initial_batch_size or self.batch_size
+            low, high = policy_bounds(self.config, initial, workers, multiple, most)
             self.policy = BatchSizePolicy(low, high, **self.config.policy_rules())
         return self.policy
 

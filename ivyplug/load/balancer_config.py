@@ -7,6 +7,7 @@ name and what is allowed, not at the first epoch end.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -133,18 +134,32 @@ def _check_probes(probes: object) -> None:
             name = spec.get("name")
             if not isinstance(name, str):
                 raise ValueError(f"probes: a dict names its probe under 'name', got {dict(spec)!r}")
-            if name != SCRIPTED:  # a scripted probe (a dict with its trace) is no registered component
-                _check_probe_name(name)
+            _check_probe_name(name, {k: v for k, v in spec.items() if k != "name"})
 
 
-def _check_probe_name(name: str) -> None:
-    """A registered probe's name (it may need a package this machine lacks: only the name is checked here)."""
+def _check_probe_name(name: str, options: Mapping[str, Any] | None = None) -> None:
+    """A registered probe's name, and the options a dict gives it where its class can be loaded here (a probe
+    may need a package this machine lacks: then only the name is checked), before any worker builds it."""
     from ivyplug.registry import AmbiguousComponentError, UnknownComponentError, get_registry
 
+    if name == SCRIPTED and options is not None:  # a scripted probe (a dict with its trace) is no registered one
+        from ivyplug.load.scripted_probe import ScriptedProbe
+
+        cls: Any = ScriptedProbe
+    else:
+        try:
+            entry = get_registry().resolve("probe", name)
+        except (UnknownComponentError, AmbiguousComponentError, ValueError) as exc:
+            raise ValueError(f"probes: {exc}") from None
+        if options is None or not entry.available:
+            return
+        cls = entry.component.load()
     try:
-        get_registry().resolve("probe", name)
-    except (UnknownComponentError, AmbiguousComponentError, ValueError) as exc:
-        raise ValueError(f"probes: {exc}") from None
+        inspect.signature(cls).bind(**(options or {}))
+    except TypeError as exc:
+        takes = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+        given = dict(options or {})
+        raise ValueError(f"probes: the {name!r} probe does not take {given!r} ({exc}); it takes: {takes}") from None
 
 
 @dataclass(frozen=True)

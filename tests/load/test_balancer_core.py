@@ -54,6 +54,11 @@ def started(batch: int = 16, workers: int = 1, **options: Any) -> BalancerCore:
         ({"probes": ["psutil", "nvmll"]}, r"probes: unknown probe 'nvmll'; available probe names: .*psutil"),
         ({"probes": [{"name": "bogus", "x": 1}]}, "probes: unknown probe 'bogus'"),
         ({"probes": [{"trace": []}]}, "probes: a dict names its probe under 'name'"),
+        (
+            {"probes": [{"name": "psutil", "bogus": 1}]},
+            r"the 'psutil' probe does not take \{'bogus': 1\}.*per_cpu",
+        ),
+        ({"probes": [{"name": "scripted", "trac": [1]}]}, r"probes: the 'scripted' probe does not take .*'trace'"),
         ({"probes": ["scripted"]}, "probes: unknown probe 'scripted'"),  # a scripted probe needs its trace: a dict
         ({"policy": {"cooldown": 2}}, "policy must be an ivyplug.load.BatchSizePolicy"),
         ({"adapt_batch_size": "yes"}, "adapt_batch_size must be True or False"),

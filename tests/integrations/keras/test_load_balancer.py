@@ -178,6 +178,145 @@ def test_one_replica_has_no_noise_scale_so_goodput_warns_once_and_does_not_grow(
     assert all("goodput unknown (one replica" in reason for _, reason in balancer.reasons), balancer.reasons
 
 
+def test_a_new_balancer_over_the_dataset_applies_the_learning_rate_of_the_batch_size_it_inherits(digits: Any) -> None:
+    """The first fit decides to double B at its second epoch's start, to land after its last step (lag 4, 2 steps
+    an epoch); the next fit, with a new balancer over the same dataset, trains at 2B: its learning rate must be
+    the doubled one (SGD: linear) from its first step, and the stream continues where the first fit stopped."""
+    x, y = digits
+    data = ElasticDataset(x, y, batch_size=16, seed=2, lag=4)
+    model = _model(keras.optimizers.SGD(0.05))
+    first = _balancer(data, [IDLE, IDLE], max_batch_size=64)
+    model.fit(data.tf_dataset(), steps_per_epoch=2, epochs=2, callbacks=[first], verbose=0, shuffle=False)
+    assert [d[1:3] for d in first.decisions] == [(16, 32)]
+    assert float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)) == pytest.approx(0.05)  # not reached
+    assert data.resume_position == 4 * 16
+    # A fit refused before its first step (a schedule cannot take the inherited batch size's rate) keeps what
+    # the batch size owes: the next fit still trains at the doubled rate.
+    scheduled = _model(keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.05, 10, 0.9)))
+    with pytest.raises(ValueError, match="LearningRateSchedule"):
+        callbacks = [_balancer(data, [BUSY], adapt_batch_size=False)]
+        scheduled.fit(data.tf_dataset(), steps_per_epoch=2, callbacks=callbacks, verbose=0, shuffle=False)
+    assert data.owed_lr_factor == 2.0 and data.resume_position == 4 * 16
+    spy = Spy()
+    second = _balancer(data, [BUSY, BUSY], max_batch_size=64)  # holds B
+    model.fit(data.tf_dataset(), steps_per_epoch=2, epochs=2, callbacks=[second, spy], verbose=0, shuffle=False)
+    assert [b for _, b in spy.steps] == [32] * 4
+    for lr, _ in spy.steps:
+        assert lr == pytest.approx(0.1, rel=1e-6)
+    assert data.owed_lr_factor == 1.0 and data.resume_position == 4 * 16 + 4 * 32
+
+
+class _Crash(keras.callbacks.Callback):
+    """Ends ``fit`` at the end of epoch ``epoch`` (or of its batch ``batch``), after the callbacks before it."""
+
+    def __init__(self, epoch: int, batch: int | None = None) -> None:
+        super().__init__()
+        self.epoch, self.batch, self._epoch = epoch, batch, -1
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._epoch == self.epoch and batch == self.batch:
+            raise KeyboardInterrupt("the job was pre-empted")
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if epoch == self.epoch and self.batch is None:
+            raise KeyboardInterrupt("the job was pre-empted")
+
+
+def _backed_up_fit(
+    digits: Any,
+    backup: Any,
+    crash: _Crash | None,
+    balancer_dir: Any,
+    save_freq: Any = "epoch",
+    optimizer: Any = None,
+    **options: Any,
+) -> tuple[Any, Spy]:
+    """A fresh process's 4-epoch fit (new dataset, model, callbacks) under BackupAndRestore, SGD (linear LR); the
+    balancer first, as its docs ask."""
+    x, y = digits
+    data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)
+    model = _model(keras.optimizers.SGD(0.05) if optimizer is None else optimizer)
+    spy = Spy()
+    balancer = _balancer(data, [IDLE] * 4, max_batch_size=128, backup_dir=balancer_dir, **options)
+    callbacks = [balancer, keras.callbacks.BackupAndRestore(str(backup), save_freq=save_freq), spy]
+    callbacks += [crash] if crash is not None else []
+    model.fit(data.tf_dataset(), steps_per_epoch=4, epochs=4, callbacks=callbacks, verbose=0, shuffle=False)
+    return model, spy
+
+
+def test_a_fit_resumed_by_backup_and_restore_goes_on_as_the_uninterrupted_one(digits: Any, tmp_path: Any) -> None:
+    """B doubles at epoch 0's end and at epoch 2's (cooldown 1), each landing 2 steps into the next epoch. Pre-empted
+    after epoch 2, with the second change decided but not reached, and run again with a fresh dataset, model and
+    balancer, the fit goes on exactly as the uninterrupted one: the same batch size and learning rate at every step
+    and the same weights. Without backup_dir it warns, and the learning rate BackupAndRestore restored (scaled for
+    32) meets the dataset's initial 16: the control that the backup is what carries the batch size."""
+    whole, whole_spy = _backed_up_fit(digits, tmp_path / "whole", None, tmp_path / "whole")
+    epoch_3 = [(0.1, 32), (0.1, 32), (0.2, 64), (0.2, 64)]
+    assert [b for _, b in whole_spy.steps[-4:]] == [b for _, b in epoch_3]
+    assert [lr for lr, _ in whole_spy.steps[-4:]] == pytest.approx([lr for lr, _ in epoch_3], rel=1e-6)
+    assert [b for _, b in whole_spy.steps[:12]] == [16] * 6 + [32] * 6
+    with pytest.raises(KeyboardInterrupt):
+        _backed_up_fit(digits, tmp_path / "cut", _Crash(2), tmp_path / "cut")
+    resumed, spy = _backed_up_fit(digits, tmp_path / "cut", None, tmp_path / "cut")
+    assert spy.steps == whole_spy.steps[-4:]  # epoch 3 only, as the whole fit took it (exact: float32 products)
+    for got, want in zip(resumed.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not (tmp_path / "cut").exists()  # BackupAndRestore removed its directory, the balancer's file with it
+
+    with pytest.raises(KeyboardInterrupt):
+        _backed_up_fit(digits, tmp_path / "control", _Crash(2), None)
+    with pytest.warns(RuntimeWarning, match=r"starts at epoch 3 .* pass IvyLoadBalancer\(backup_dir=\.\.\.\)"):
+        _, control = _backed_up_fit(digits, tmp_path / "control", None, None)
+    assert control.steps[0][1] == 16 and control.steps[0][0] == pytest.approx(0.1, rel=1e-6)
+
+
+def test_a_backup_taken_after_a_change_landed_replays_its_epoch_at_the_saved_rate(digits: Any, tmp_path: Any) -> None:
+    """BackupAndRestore(save_freq=1) saves after every batch; pre-empted at epoch 3's third batch, after the change to
+    64 landed (learning rate 0.2), Keras replays epoch 3 from its start: the balancer sets the rate saved at epoch
+    2's end (0.1) again and the change lands at its step, as in the uninterrupted fit."""
+    with pytest.raises(KeyboardInterrupt):
+        _backed_up_fit(digits, tmp_path / "cut", _Crash(3, batch=2), tmp_path / "cut", save_freq=1)
+    _, spy = _backed_up_fit(digits, tmp_path / "cut", None, tmp_path / "cut", save_freq=1)
+    assert [b for _, b in spy.steps] == [32, 32, 64, 64]
+    assert [lr for lr, _ in spy.steps] == pytest.approx([0.1, 0.1, 0.2, 0.2], rel=1e-6)
+
+
+def test_backup_dir_with_a_schedule_the_balancer_does_not_scale_and_with_backup_and_restore_first(
+    digits: Any, tmp_path: Any
+) -> None:
+    """lr_scaling="none" leaves a LearningRateSchedule alone, resumed too (the batch size still comes back); a
+    BackupAndRestore listed before the balancer is warned once (a stop between their saves would lose the state)."""
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=4, decay_rate=0.5)
+    options = {"lr_scaling": "none", "optimizer": keras.optimizers.SGD(schedule)}
+    with pytest.raises(KeyboardInterrupt):
+        _backed_up_fit(digits, tmp_path / "cut", _Crash(2), tmp_path / "cut", **options)
+    options["optimizer"] = keras.optimizers.SGD(schedule)
+    _, spy = _backed_up_fit(digits, tmp_path / "cut", None, tmp_path / "cut", **options)
+    assert [b for _, b in spy.steps] == [32, 32, 64, 64]
+
+    x, y = digits
+    # resumed on fewer samples than a saved batch size: warned, and the fit starts at the dataset's batch size
+    small = ElasticDataset(x[:40], y[:40], batch_size=8, seed=2, lag=2)
+    callbacks = [
+        _balancer(small, [IDLE], backup_dir=tmp_path / "cut"),
+        keras.callbacks.BackupAndRestore(str(tmp_path / "cut")),
+    ]
+    with pytest.raises(KeyboardInterrupt):
+        _backed_up_fit(digits, tmp_path / "cut", _Crash(2), tmp_path / "cut")
+    with pytest.warns(RuntimeWarning, match=r"\(\[32, 64\]\) do not fit this fit's 1 replica\(s\) and 40 samples"):
+        _model(keras.optimizers.SGD(0.05)).fit(small.tf_dataset(), steps_per_epoch=1, epochs=4, callbacks=callbacks)
+    assert small.batch_size_at(0) == 8
+
+    data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)
+    balancer = _balancer(data, [IDLE] * 2, backup_dir=tmp_path / "late")
+    callbacks = [keras.callbacks.BackupAndRestore(str(tmp_path / "late")), balancer]
+    with pytest.warns(RuntimeWarning, match="list IvyLoadBalancer before BackupAndRestore"):
+        _model(keras.optimizers.SGD(0.05)).fit(data.tf_dataset(), steps_per_epoch=2, epochs=2, callbacks=callbacks)
+
+
 def test_memory_pressure_shrinks_to_the_bound(digits: Any) -> None:
     x, y = digits
     data = ElasticDataset(x, y, batch_size=64, seed=0, lag=1)
@@ -201,6 +340,8 @@ def test_monitoring_only_and_learning_rate_schedule(digits: Any) -> None:
     assert not any(key.startswith("ivy/worker") for key in history.history)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=10, decay_rate=0.9)
     scheduled = _model(keras.optimizers.Adam(schedule))
+    with pytest.warns(RuntimeWarning, match="monitors load"):  # monitoring never rescales: a schedule is fine
+        scheduled.fit(x, y, batch_size=64, epochs=1, callbacks=[_balancer(None, [IDLE])], verbose=0)
     data = ElasticDataset(x, y, batch_size=32)
     with pytest.raises(ValueError, match="LearningRateSchedule"):
         callbacks = [_balancer(data, [IDLE])]
@@ -234,6 +375,12 @@ def test_from_config_dict_and_registry() -> None:
         IvyLoadBalancer(min_batch_size=8, max_batch_size=4)
     with pytest.raises(ValueError, match="interval must be a positive number"):
         IvyLoadBalancer(interval=0)
+    with pytest.raises(ValueError, match="backup_dir must be None or a BackupAndRestore's backup_dir path"):
+        IvyLoadBalancer(ElasticDataset(np.zeros((4, 1)), np.zeros(4), batch_size=2), backup_dir=3)
+    with pytest.raises(ValueError, match="backup_dir needs an ElasticDataset"):
+        IvyLoadBalancer(backup_dir="backup")
+    with pytest.raises(ValueError, match="backup_dir must be a local folder"):
+        IvyLoadBalancer(ElasticDataset(np.zeros((4, 1)), np.zeros(4), batch_size=2), backup_dir="gs://bucket/run")
     with pytest.raises(ValueError, match="dataset must be an ElasticDataset"):
         IvyLoadBalancer([1, 2, 3])  # type: ignore[arg-type]
 

@@ -21,7 +21,7 @@ from ivyplug.optim import groups as torch_groups
 #: Options only one twin has, and why: Lightning spreads B over ranks and owns the DDP hook; Keras is handed
 #: its data set and cannot learn the device TensorFlow runs on.
 LIGHTNING_ONLY = {"balance_shares", "share_window", "comm_hook", "loss_reduction", "seed", "max_oom_splits"}
-KERAS_ONLY = {"dataset", "device_index"}
+KERAS_ONLY = {"dataset", "device_index", "backup_dir"}  # backup_dir: Lightning keeps state in checkpoints
 
 
 def _options(cls: type) -> dict[str, Any]:
@@ -36,6 +36,21 @@ def test_shared_options_have_the_same_names_and_defaults() -> None:
     assert "oom_max_parts" in shared and "probes" in shared
     # the same order too, so the two docstrings and signatures read alike
     assert [n for n in light if n in shared] == [n for n in keras_ if n in shared]
+
+
+def test_the_ps_exchange_takes_the_strategys_options_in_its_order() -> None:
+    from ivyplug.integrations.keras.async_lamb import AsyncLAMBExchange
+    from ivyplug.integrations.lightning.ps_strategy import IvyPSStrategy
+
+    strategy, exchange = _options(IvyPSStrategy), _options(AsyncLAMBExchange)
+    assert set(exchange) <= set(strategy)
+    assert list(exchange) == [n for n in strategy if n in exchange]
+    assert {n: exchange[n] for n in exchange} == {n: strategy[n] for n in exchange}
+    # positionally only what both take first: a third positional value cannot mean two things
+    kinds = inspect.signature(AsyncLAMBExchange.__init__).parameters
+    assert [n for n, p in kinds.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == ["self", "mode", "staleness"]
+    with pytest.raises(TypeError):
+        AsyncLAMBExchange("async", None, "inverse")  # type: ignore[misc]
 
 
 def test_every_shared_option_is_documented_in_both_docstrings() -> None:

@@ -296,8 +296,11 @@ def test_bad_arguments_are_refused() -> None:
     client = start(model, make_opt("sgd", model.parameters()))
     with pytest.raises(ValueError, match="num_samples"):
         client.step(0)
-    with pytest.raises(ValueError, match="max_grad_norm"):
-        client.step(2, max_grad_norm=-1.0)
+    for bad in (-1.0, 0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="max_grad_norm must be None or a finite number > 0"):
+            client.step(2, max_grad_norm=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="clip_value must be None or a finite number > 0"):
+            client.step(2, clip_value=bad)  # type: ignore[arg-type]
 
 
 def test_hyperparameters_still_follow_the_worker_optimizer_after_load_state_dict() -> None:

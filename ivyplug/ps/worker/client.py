@@ -79,6 +79,11 @@ class _Metrics:
     wire: WireStats = field(default_factory=WireStats)
 
 
+def _positive_number(x: object) -> bool:
+    """A finite int or float > 0 (a bool is no bound)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
 def _named(items: Sequence[Any], what: str) -> list[tuple[str, torch.Tensor]]:
     out: list[tuple[str, torch.Tensor]] = []
     for i, item in enumerate(items):
@@ -456,10 +461,9 @@ class PSClient:
         self._check_open()
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
             raise ValueError(f"num_samples must be an int > 0, got {num_samples!r}")
-        if max_grad_norm is not None and (not isinstance(max_grad_norm, (int, float)) or max_grad_norm <= 0):
-            raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
-        if clip_value is not None and (not isinstance(clip_value, (int, float)) or not clip_value > 0):
-            raise ValueError(f"clip_value must be None or a number > 0, got {clip_value!r}")
+        for name, bound in (("max_grad_norm", max_grad_norm), ("clip_value", clip_value)):
+            if bound is not None and not _positive_number(bound):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {bound!r}")
         sync_clip = float(max_grad_norm) if (max_grad_norm is not None and self.cfg.mode == "sync") else -1.0
         sync_value = float(clip_value) if (clip_value is not None and self.cfg.mode == "sync") else -1.0
         if sync_clip >= 0 and self.topo.others:

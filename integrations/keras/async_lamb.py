@@ -49,7 +49,9 @@ class AsyncLAMB(LAMB):
     Args: :class:`~ivyplug.integrations.keras.LAMB`'s, plus ``sync_every`` (local steps between two
     exchanges, >= 1, or ``"auto"``: chosen by each worker from its measured step and exchange times, re-chosen
     at every epoch's end; with ``steps_per_execution`` > 1 an exchange waits for the end of the call that
-    reaches the period, so periods round up to whole calls), ``overlap`` (run each exchange in the background
+    reaches the period, so periods round up to whole calls; with data that outlasts ``steps_per_epoch``, a
+    repeated ``tf.data`` for one, Keras runs an epoch's last call whole while the count stops at
+    ``steps_per_epoch``, so the next exchange may come up to ``steps_per_execution - 1`` steps late), ``overlap`` (run each exchange in the background
     while local steps go on; the rule is ``ivyplug.localsgd.delta_exchange``'s), ``merge_rate``
     (``outer="average"``; ``None``: 1.0 in sync mode, 1/num_workers in async/ssp) and the outer optimizer's
     ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_momentum_every`` (names, defaults and meaning as for

@@ -338,7 +338,8 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
-        steps = steps_in_call(self.params, self._chunk_begin, batch)
+        # an ElasticDataset never runs out: each call trains its steps_per_execution steps whole
+        steps = steps_in_call(self.params, self._chunk_begin, batch, data_ends=self.dataset is None)
         self._step_calls.append((t - self._batch_t) / steps)
         self._step_walls.append((t - self._last_batch_t) / steps)
         self.step += steps

@@ -19,13 +19,14 @@ def inner_optimizer(model: Any) -> Any:
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
-def steps_in_call(params: dict[str, Any] | None, begin: int, end: int) -> int:
+def steps_in_call(params: dict[str, Any] | None, begin: int, end: int, *, data_ends: bool = True) -> int:
     """The steps one ``train_function`` call ran, from the batch numbers Keras gives its ``on_train_batch_begin``
     and ``on_train_batch_end``: with ``steps_per_execution`` > 1 it reports ``end = begin + steps_per_execution - 1``
-    even for an epoch's last, shorter call, so ``end`` is clamped to the epoch's last step where it is known
-    (``params["steps"]``)."""
+    for every call. Where the data ends with the epoch (finite data without ``steps_per_epoch``) the epoch's last
+    call is shorter, so ``end`` is clamped to the epoch's last step (``params["steps"]``); infinite data
+    (``data_ends=False``, an ``ElasticDataset``) runs every call whole, past ``steps_per_epoch`` if need be."""
     steps = (params or {}).get("steps")
-    if isinstance(steps, int) and steps > 0:
+    if data_ends and isinstance(steps, int) and steps > 0:
         end = min(end, steps - 1)
     return max(end - begin + 1, 1)
 

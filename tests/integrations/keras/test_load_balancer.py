@@ -164,6 +164,27 @@ def test_single_device_sgd_grows_linearly(digits: Any) -> None:
     assert history.history["ivy/cpu1_util"] == [15.0, 15.0, 15.0]
 
 
+def test_steps_per_execution_counts_every_step_of_an_epochs_last_call(digits: Any) -> None:
+    """An ``ElasticDataset`` never runs out, so Keras runs an epoch's last call whole (3 steps) where
+    ``steps_per_epoch`` is not a multiple of ``steps_per_execution``: the balancer counts those steps, and where the
+    next fit's stream resumes follows them (the optimizer's own step count is the independent reference)."""
+    x, y = digits
+    data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)
+    assert data.steps_per_epoch % 3 != 0  # the case: a last call that runs past steps_per_epoch
+    model = _model(keras.optimizers.SGD(0.05))
+    model.compile(
+        optimizer=model.optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=3,
+    )
+    balancer = _balancer(data, [BUSY, BUSY])  # hold: the batch size stays 16
+    model.fit(data.tf_dataset(), steps_per_epoch=data.steps_per_epoch, epochs=2, callbacks=[balancer], verbose=0)
+    steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+    assert steps == 2 * math.ceil(data.steps_per_epoch / 3) * 3 > 2 * data.steps_per_epoch
+    assert balancer.step == steps
+    assert data.resume_position == 16 * steps
+
+
 def test_one_replica_has_no_noise_scale_so_goodput_warns_once_and_does_not_grow(digits: Any) -> None:
     x, y = digits
     data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)

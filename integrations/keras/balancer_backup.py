@@ -45,9 +45,17 @@ class BalancerBackup:
 
 def keras_epoch(backup_dir: str | os.PathLike[str]) -> int | None:
     """The epoch ``BackupAndRestore``'s metadata in ``backup_dir`` names (``None``: it wrote none)."""
+    path = Path(backup_dir) / KERAS_METADATA_FILE
     try:
-        return int(json.loads((Path(backup_dir) / KERAS_METADATA_FILE).read_text())["epoch"])
+        return int(json.loads(path.read_text())["epoch"])
     except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # Keras writes it in place: another worker may be
+        warnings.warn(  # writing it now, or a crash cut it short
+            f"IvyLoadBalancer: {path} could not be read ({type(exc).__name__}: {exc}); taken as naming no epoch",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 

@@ -267,7 +267,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
                 pending = [(0, owed)] if owed != 1.0 else []
             if pending:
                 check_assignable_lr(optimizer, self._rule)  # the inherited batch size's rate is assigned too
-        # Checked: from here on a refusal cannot lose the learning rate a batch size owes.
+        # Checked. The dataset's owed factor is cleared only once the start has succeeded (below).
         self.step = 0
         self._pending = pending
         if self.dataset is None:
@@ -287,7 +287,6 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
                 start = self.dataset.position_at(0) if position is None else position
                 self.dataset.restart(self.dataset.batch_size, start_position=start)
             batch = self.dataset.batch_size
-            self.dataset.owed_lr_factor = 1.0
             self.core.batch_size = batch
             self.core.start(batch)
             if self.policy is None:
@@ -297,19 +296,24 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self._watch_gradients()
         if self.dataset is not None and self.config.oom_recovery:
             self._guard.install(self.model, self._workers())
+        if self.dataset is not None:  # this fit took it (last: a start that failed above leaves it for the next)
+            self.dataset.owed_lr_factor = 1.0
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
         carried = self.dataset is not None and self.dataset.resume_position is not None  # a refit in this process
-        if self.step == 0 and epoch > 0 and self.restored is None and not carried and self._adapts():
-            self._warn_once(
-                "resumed",
+        resumed = self.step == 0 and epoch > 0 and self.restored is None and not carried and self._adapts()
+        if resumed and "no_backup" not in self._warned:  # (that one said it already)
+            start = (
                 f"IvyLoadBalancer: this fit starts at epoch {epoch} (resumed by BackupAndRestore, or initial_epoch) "
                 f"at the ElasticDataset's batch size {self.dataset.batch_size if self.dataset else None}, but a "
                 "learning rate restored with the weights may be the one of a batch size the earlier run reached: "
-                "pass IvyLoadBalancer(backup_dir=...) the BackupAndRestore's backup_dir to restore both"
+            )
+            self._warn_once(
+                "resumed",
+                start + "pass IvyLoadBalancer(backup_dir=...) the BackupAndRestore's backup_dir to restore both"
                 if self.backup_dir is None
-                else f"{self.backup_dir} held no balancer state for it (warned above)",
+                else start + f"{self.backup_dir} holds no balancer state for it",
             )
         self._epoch_t0 = self._last_batch_t = t
         self.epoch = epoch
@@ -469,13 +473,12 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
             if math.isclose(now, landed, rel_tol=1e-5):
                 scale_learning_rate(self.model, restored.learning_rate / now)
                 return
-        if not math.isclose(now, restored.learning_rate, rel_tol=1e-5):
-            self._warn_once(
-                "restored_lr",
-                f"IvyLoadBalancer: the optimizer's learning rate is {now:g}, not the {restored.learning_rate:g} "
-                f"saved in {self.backup_dir} with batch size {restored.batch_now} (were the weights restored from "
-                "another backup?); the batch size is restored and the learning rate scaled from where it is",
-            )
+        self._warn_once(
+            "restored_lr",
+            f"IvyLoadBalancer: the optimizer's learning rate is {now:g}, not the {restored.learning_rate:g} "
+            f"saved in {self.backup_dir} with batch size {restored.batch_now} (were the weights restored from "
+            "another backup?); the batch size is restored and the learning rate scaled from where it is",
+        )
 
     def _decide(self, epoch: int, observation: LoadObservation) -> None:
         assert self.dataset is not None and self.policy is not None

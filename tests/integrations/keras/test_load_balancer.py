@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -199,7 +201,9 @@ def test_one_replica_has_no_noise_scale_so_goodput_warns_once_and_does_not_grow(
     assert all("goodput unknown (one replica" in reason for _, reason in balancer.reasons), balancer.reasons
 
 
-def test_a_new_balancer_over_the_dataset_applies_the_learning_rate_of_the_batch_size_it_inherits(digits: Any) -> None:
+def test_a_new_balancer_over_the_dataset_applies_the_learning_rate_of_the_batch_size_it_inherits(
+    digits: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first fit decides to double B at its second epoch's start, to land after its last step (lag 4, 2 steps
     an epoch); the next fit, with a new balancer over the same dataset, trains at 2B: its learning rate must be
     the doubled one (SGD: linear) from its first step, and the stream continues where the first fit stopped."""
@@ -217,6 +221,16 @@ def test_a_new_balancer_over_the_dataset_applies_the_learning_rate_of_the_batch_
     with pytest.raises(ValueError, match="LearningRateSchedule"):
         callbacks = [_balancer(data, [BUSY], adapt_batch_size=False)]
         scheduled.fit(data.tf_dataset(), steps_per_epoch=2, callbacks=callbacks, verbose=0, shuffle=False)
+    assert data.owed_lr_factor == 2.0 and data.resume_position == 4 * 16
+    # So does a start that fails after its checks (the sampler's probes or the gradient watch raising).
+    failing = _balancer(data, [BUSY], max_batch_size=64)
+
+    def fail() -> None:
+        raise RuntimeError("a probe's library is missing")
+
+    monkeypatch.setattr(failing, "_watch_gradients", fail)
+    with pytest.raises(RuntimeError, match="library is missing"):
+        model.fit(data.tf_dataset(), steps_per_epoch=2, callbacks=[failing], verbose=0, shuffle=False)
     assert data.owed_lr_factor == 2.0 and data.resume_position == 4 * 16
     spy = Spy()
     second = _balancer(data, [BUSY, BUSY], max_batch_size=64)  # holds B
@@ -336,6 +350,26 @@ def test_backup_dir_with_a_schedule_the_balancer_does_not_scale_and_with_backup_
     callbacks = [keras.callbacks.BackupAndRestore(str(tmp_path / "late")), balancer]
     with pytest.warns(RuntimeWarning, match="list IvyLoadBalancer before BackupAndRestore"):
         _model(keras.optimizers.SGD(0.05)).fit(data.tf_dataset(), steps_per_epoch=2, epochs=2, callbacks=callbacks)
+
+
+@pytest.mark.parametrize("metadata", [None, 2])
+def test_backup_dir_without_a_state_for_the_epoch_warns_once_saying_so(
+    digits: Any, tmp_path: Any, metadata: int | None
+) -> None:
+    """A fit started at epoch 2 with a ``backup_dir`` that holds no balancer state for it: with Keras's metadata
+    naming that epoch, or none (``initial_epoch`` alone), one warning that says so and where."""
+    x, y = digits
+    if metadata is not None:
+        (tmp_path / "training_metadata.json").write_text(json.dumps({"epoch": metadata}))
+    data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)
+    model = _model(keras.optimizers.SGD(0.05))
+    balancer = _balancer(data, [BUSY], backup_dir=str(tmp_path))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        model.fit(data.tf_dataset(), steps_per_epoch=2, initial_epoch=2, epochs=3, callbacks=[balancer], verbose=0)
+    said = [str(w.message) for w in warned if "balancer state" in str(w.message)]
+    assert len(said) == 1 and f"{tmp_path} holds no balancer state" in said[0], said
+    assert ("BackupAndRestore resumes at epoch 2" in said[0]) == (metadata is not None), said
 
 
 def test_memory_pressure_shrinks_to_the_bound(digits: Any) -> None:

@@ -685,16 +685,14 @@ class IvyPSStrategy(DDPStrategy):
         assert self._client is not None
         what = "the workers' local optimizer states"
         blob = typed_or_refusal(mine, self.global_rank, "save")
-        members = self._members()
-        if members is not None:
-            parts = members.gather(blob, what)
-        else:
-            parts = dict(enumerate(self._client.workers.share_all(blob)))
-        for raw in parts.values():
+        group = self._client.workers
+        # every rank learns of a refusal (only refusals travel here), then the states go to rank 0 alone
+        for raw in group.share_all(blob if refusal_in(blob) is not None else b""):
             reason = refusal_in(raw)
             if reason is not None:
                 raise ValueError(f"IvyPSStrategy: cannot save {what}: {reason}")
-        if self.global_rank != 0:
+        parts = group.gather_to_rank0(blob, what)
+        if parts is None or self.global_rank != 0:
             return None
         return {rank: from_typed_or_refusal(raw) for rank, raw in parts.items()}
 

@@ -143,6 +143,12 @@ def buffers_rule(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _gather_to_rank0(client: PSClient, rank: int) -> dict[int, list[int]] | None:
+    """Each worker's own bytes (of its own length; rank 1's the longer) through the workers' group to rank 0."""
+    gathered = client.workers.gather_to_rank0(bytes([rank + 1]) * (rank + 2), "a test's gather")
+    return None if gathered is None else {r: list(b) for r, b in gathered.items()}
+
+
 def resume_bitwise(rank: int, world: int) -> dict[str, Any]:
     """sync: state_dict after 3 steps, continue 3; a fresh client loaded from it continues identically."""
     sizes = [4, 4]
@@ -165,6 +171,7 @@ def resume_bitwise(rank: int, world: int) -> dict[str, Any]:
     client.sync()
     first = _params(model) + [b.clone() for b in model.buffers()]
     final_sd = client.state_dict()
+    gathered = _gather_to_rank0(client, rank)
     client.close()
 
     model2 = mlp(seed=99, bn=True)
@@ -180,6 +187,7 @@ def resume_bitwise(rank: int, world: int) -> dict[str, Any]:
         "equal": all(torch.equal(a, b) for a, b in zip(first, second, strict=True)),
         "versions": [s["version"] for s in final_sd["shards"]],
         "versions_resumed": [s["version"] for s in sd2["shards"]],
+        "gathered": gathered,
     }
 
 
@@ -288,6 +296,7 @@ def dedicated_servers(rank: int, world: int) -> dict[str, Any]:
         out[f"{name}_grad_sq"] = norms
         out[f"{name}_versions"] = [s["version"] for s in client.state_dict()["shards"]]
         out["procs_before_close"] = len(client.server_procs)
+        out["gathered"] = _gather_to_rank0(client, rank)
         client.close()
         out["procs_alive_after_close"] = sum(p.is_alive() for p in client.server_procs)
     return out

@@ -85,6 +85,14 @@ def test_sync_resume_from_state_dict_is_bitwise(world2: list) -> None:
         assert r["resume"]["versions"] == r["resume"]["versions_resumed"] == [6, 6]
 
 
+@pytest.mark.parametrize("topology", ["resume", "dedicated"])
+def test_gather_to_rank0_gives_rank0_every_workers_bytes_and_the_others_nothing(world2: list, topology: str) -> None:
+    """Co-located (the workers' gloo group) and with dedicated servers (a round through the service): the same
+    call, rank 0 gets each worker's bytes whole (of different lengths), the others get nothing back."""
+    assert world2[0][topology]["gathered"] == {0: [1, 1], 1: [2, 2, 2]}
+    assert world2[1][topology]["gathered"] is None
+
+
 def test_buffers_rule_weighted_mean_in_sync_running_mean_in_async(world2: list) -> None:
     sizes = [4, 6]
     sync0, sync1 = world2[0]["buffers"]["sync"], world2[1]["buffers"]["sync"]

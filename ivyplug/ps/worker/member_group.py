@@ -46,12 +46,15 @@ class MemberGroup:
         self.live: list[int] = list(range(world_size))
         self.lost: list[int] = []
 
-    def gather(self, blob: bytes, what: str) -> dict[int, bytes]:
-        """Every live worker's ``blob``, by rank (this worker's included)."""
+    def gather(self, blob: bytes, what: str, *, fetch: bool = True) -> dict[int, bytes]:
+        """Every live worker's ``blob``, by rank (this worker's included); ``fetch=False``: send it, receive
+        nothing (the round still waits for every live worker; an empty dict)."""
         self._seq += 1
         ep = self._endpoint
         words = bytes_to_words(blob)
         size = ep.request(Kind.GATHER, words, arg0=len(blob), arg1=self._seq, what=what).header(self.timeout).arg0
+        if not fetch:  # the service drops a round's result two rounds later, fetched or not
+            return {}
         _, out = ep.request(
             Kind.GATHER_FETCH, reply_numel=(size + 3) // 4, arg0=size, arg1=self._seq, what=what
         ).payload(self.timeout)
@@ -89,6 +92,11 @@ class MemberGroup:
     def share_all(self, blob: bytes) -> list[bytes]:
         parts = self.gather(blob, "sharing checkpoint shards")
         return [parts[r] for r in sorted(parts)]
+
+    def gather_to_rank0(self, blob: bytes, what: str) -> dict[int, bytes] | None:
+        """Every live worker's ``blob`` on rank 0, by rank; ``None`` on the others, which fetch nothing."""
+        parts = self.gather(blob, what, fetch=self.rank == 0)
+        return parts if self.rank == 0 else None
 
     def share_from_rank0(self, blobs: list[bytes], count: int) -> list[bytes]:
         """Rank 0's ``count`` byte strings to every live worker."""

@@ -149,7 +149,8 @@ def _section_table(path: Path, section: str, parsers: Mapping[str, Any]) -> dict
             document = tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML ({exc}); ivyplug reads its [tool.ivyplug] tables") from None
-    ours = document.get("tool", {}).get("ivyplug", {})
+    tool = document.get("tool", {})
+    ours = tool.get("ivyplug", {}) if isinstance(tool, dict) else None  # `tool = "x"`: not a table either
     if not isinstance(ours, dict):
         raise ValueError(f"{path}: [tool.ivyplug] must be a table of sections; allowed: {sorted(SECTIONS)}")
     unknown = sorted(set(ours) - set(SECTIONS))

@@ -44,6 +44,7 @@ def test_nothing_configured_gives_nothing(tmp_path: Path) -> None:
         ("[tool.ivyplug.ps]\nnum_servers = 1.5\n", {}, r"num_servers must be an integer, got 1.5"),
         ("", {"IVYPLUG_PS_NUM_SERVERS": "two"}, r"environment variable IVYPLUG_PS_NUM_SERVERS must be an integer"),
         ("[tool.ivyplug]\nps = 3\n", {}, r"\[tool.ivyplug.ps\] must be a table"),
+        ('tool = "x"\n', {}, r"\[tool.ivyplug\] must be a table of sections"),
         (
             "[tool.ivyplug.pss]\ntimeout = 3.0\n",
             {},

@@ -73,6 +73,7 @@ def test_numpy_arrays_and_scalars_come_back_as_numpy() -> None:
     rng = np.random.default_rng(0)
     value = {"a": rng.normal(size=(2, 3)), "i": np.arange(5, dtype=np.int8), "n": np.int64(2**40), "b": np.bool_(1)}
     value["f"], value["empty"] = np.float32(0.25), np.zeros((0, 4), dtype=np.float32)
+    value["d"], value["nan"] = np.float64(rng.normal()), np.float64("nan")  # float64 is a Python float too
     got = typed_state.decode(typed_state.encode(value))
     for key, want in value.items():
         assert type(got[key]) is type(want) and got[key].dtype == want.dtype, key

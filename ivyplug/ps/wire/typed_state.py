@@ -46,6 +46,11 @@ def encode(obj: Any) -> bytes:
 
     def walk(x: Any) -> Any:
         nonlocal offset
+        if isinstance(x, np.generic) and not isinstance(x, (np.str_, np.bytes_, np.void, np.object_)):
+            array = np.asarray(x)  # before float: NumPy's float64 is a Python float too, and reads back as NumPy's
+            if array.dtype.name not in DTYPES or array.dtype.name == "bfloat16":  # as decode reads them
+                raise ValueError(f"cannot encode a NumPy {array.dtype} scalar; allowed: {sorted(DTYPES)}")
+            return {"g": [array.dtype.name, x.item()]}
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, int):
@@ -54,11 +59,6 @@ def encode(obj: Any) -> bytes:
             return {"f": repr(x)} if not math.isfinite(x) else x
         if isinstance(x, PurePath):  # read back as a pathlib.Path
             return {"p": str(x)}
-        if isinstance(x, np.generic) and not isinstance(x, (np.str_, np.bytes_, np.void, np.object_)):
-            array = np.asarray(x)
-            if array.dtype.name not in DTYPES or array.dtype.name == "bfloat16":  # as decode reads them
-                raise ValueError(f"cannot encode a NumPy {array.dtype} scalar; allowed: {sorted(DTYPES)}")
-            return {"g": [array.dtype.name, x.item()]}
         if isinstance(x, np.ndarray):
             if x.dtype.name not in DTYPES or x.dtype.name == "bfloat16":
                 raise ValueError(f"cannot encode a NumPy array of dtype {x.dtype}; allowed: {sorted(DTYPES)}")

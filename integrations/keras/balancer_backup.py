@@ -2,13 +2,15 @@
 
 ``BackupAndRestore`` saves the weights, the optimizer's variables among them, so the learning rate it restores is
 the one the balancer had scaled for the batch size it had reached; the batch size itself lives on the Python
-``ElasticDataset`` and is not in that backup. With ``backup_dir`` (the ``BackupAndRestore``'s own) the balancer writes
-what a resumed fit needs at every epoch's end, keyed by the epochs done then (the number ``BackupAndRestore`` writes
-to its ``training_metadata.json``), and a resumed fit takes the state of the epoch Keras resumes at. The last two
-epochs are kept, and any the metadata still names (a ``save_freq`` in batches lags behind). List the balancer
-before ``BackupAndRestore`` in ``callbacks``: at an epoch's end its state is then written before Keras's backup, so a
-crash between the two cannot leave a backup without the balancer's state (the other order is warned once).
-``BackupAndRestore`` removes its directory, this file with it, when a fit ends.
+``ElasticDataset`` and is not in that backup. With ``backup_dir`` (the ``BackupAndRestore``'s own) the balancer
+writes what a resumed fit needs at every epoch's end, keyed by the epochs done then (the number ``BackupAndRestore``
+writes to its ``training_metadata.json``), and a resumed fit takes the state of the epoch Keras resumes at (known at
+its first epoch's start, after ``BackupAndRestore`` has fallen back to its previous backup where the latest could
+not be read, ``double_checkpoint=True``). The last two epochs are kept, and any the metadata still names (a
+``save_freq`` in batches lags behind). List the balancer before ``BackupAndRestore`` in ``callbacks``: at an epoch's
+end its state is then written before Keras's backup, so a crash between the two cannot leave a backup without the
+balancer's state (the other order is warned once). ``BackupAndRestore`` removes its directory, this file with it,
+when a fit ends.
 """
 
 from __future__ import annotations
@@ -74,21 +76,17 @@ def save(backup_dir: str | os.PathLike[str], state: BalancerBackup, named: int |
     os.replace(tmp, path)
 
 
-def resumed_state(backup_dir: str | os.PathLike[str]) -> tuple[int | None, BalancerBackup | None]:
-    """The epoch ``BackupAndRestore`` resumes at (``None``: it has no backup there) and this balancer's state of
-    that epoch (``None``: not saved)."""
-    epoch = keras_epoch(backup_dir)
-    if epoch is None:
-        return None, None
+def state_at(backup_dir: str | os.PathLike[str], epoch: int) -> BalancerBackup | None:
+    """The state saved in ``backup_dir`` for a fit resumed at ``epoch`` (``None``: none saved)."""
     path = Path(backup_dir) / STATE_FILE
     saved = _read(path).get(str(epoch))
     if saved is None:
-        return epoch, None
+        return None
     try:
-        return epoch, BalancerBackup(**saved)
+        return BalancerBackup(**saved)
     except TypeError as exc:  # another version's fields
         warnings.warn(f"IvyLoadBalancer: ignoring {path}: {exc}", RuntimeWarning, stacklevel=2)
-        return epoch, None
+        return None
 
 
 def _read(path: Path) -> dict[str, Any]:

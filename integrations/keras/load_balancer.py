@@ -185,6 +185,8 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self._step_calls: list[float] = []
         self._rule = "none"
         self._pending: list[tuple[int, float]] = []  # (step, LR factor) not applied yet
+        self._owed = 1.0  # the learning-rate factor this fit owes the batch size it inherits (no backup restored)
+        self._stream_started = False  # the first epoch's start has set where the stream starts
         self._chunk_begin = 0
         self._hook_s = 0.0  # time spent in this callback's hooks this epoch
         self._batch_t = self._epoch_t0 = self._last_batch_t = 0.0
@@ -252,45 +254,27 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         if self.dataset is not None and self.config.adapt_batch_size:  # else it never changes the learning rate
             check_assignable_lr(optimizer, self._rule)
         owed = math.prod(f for _, f in self._pending)  # left over from a fit that ended without on_train_end
-        self.restored = restored = self._restore()
-        pending: list[tuple[int, float]] = []
         if self.dataset is not None:
             if self.dataset.num_replicas != self._replicas():
                 raise ValueError(
                     f"the ElasticDataset was built for {self.dataset.num_replicas} replica(s) but the model's "
                     f"strategy has {self._replicas()}: pass model.distribute_strategy to tf_dataset()"
                 )
-            if restored is not None:  # the schedule as it stood when the backup was taken, whatever this process held
-                pending = [(int(ahead), float(f)) for ahead, f in restored.pending]
-            else:
-                owed *= self.dataset.owed_lr_factor  # this fit trains at the batch size the last one scheduled
-                pending = [(0, owed)] if owed != 1.0 else []
-            if pending:
+            owed *= self.dataset.owed_lr_factor  # this fit trains at the batch size the last one scheduled
+            if owed != 1.0:
                 check_assignable_lr(optimizer, self._rule)  # the inherited batch size's rate is assigned too
         # Checked. The dataset's owed factor is cleared only once the start has succeeded (below).
         self.step = 0
-        self._pending = pending
+        self._owed = owed
+        self._pending = []
+        self.restored = None
+        self._stream_started = False
         if self.dataset is None:
             warnings.warn(
                 "IvyLoadBalancer has no ElasticDataset: it monitors load but cannot change the batch size",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        else:
-            if restored is not None:
-                self.core.load_state_dict(restored.core)
-                self.dataset.restart(restored.batch_now, start_position=restored.position)
-                for ahead, size in restored.scheduled:  # changes decided but not reached: at the same steps
-                    self.dataset.set_batch_size(int(size), at_step=int(ahead))
-            else:
-                position = self.dataset.resume_position
-                start = self.dataset.position_at(0) if position is None else position
-                self.dataset.restart(self.dataset.batch_size, start_position=start)
-            batch = self.dataset.batch_size
-            self.core.batch_size = batch
-            self.core.start(batch)
-            if self.policy is None:
-                self._build_policy()
         if self.sampler is None:
             self.sampler = Sampler(self.config.build_probes(), interval=self.config.interval)
         self._watch_gradients()
@@ -299,22 +283,38 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         if self.dataset is not None:  # this fit took it (last: a start that failed above leaves it for the next)
             self.dataset.owed_lr_factor = 1.0
 
+    def _start_stream(self, epoch: int) -> None:
+        """Where this fit's stream starts and at which batch size: the state saved for ``epoch`` in ``backup_dir``
+        (a fit ``BackupAndRestore`` resumed at ``epoch``), else where the dataset's last fit left it. Run at the
+        first epoch's start, before any batch is produced: only then has every callback's ``on_train_begin`` run,
+        ``BackupAndRestore``'s with it, which may have fallen back to its previous backup (``double_checkpoint``)."""
+        assert self.dataset is not None
+        self._stream_started = True
+        restored = self._restore(epoch)
+        if restored is not None:  # the schedule as it stood when the backup was taken, whatever this process held
+            pending = [(int(ahead), float(f)) for ahead, f in restored.pending]
+            if pending:
+                check_assignable_lr(inner_optimizer(self.model), self._rule)
+            self.core.load_state_dict(restored.core)
+            self.dataset.restart(restored.batch_now, start_position=restored.position)
+            for ahead, size in restored.scheduled:  # changes decided but not reached: at the same steps
+                self.dataset.set_batch_size(int(size), at_step=int(ahead))
+        else:
+            pending = [(0, self._owed)] if self._owed != 1.0 else []
+            position = self.dataset.resume_position
+            start = self.dataset.position_at(0) if position is None else position
+            self.dataset.restart(self.dataset.batch_size, start_position=start)
+        self.restored, self._pending = restored, pending
+        batch = self.dataset.batch_size
+        self.core.batch_size = batch
+        self.core.start(batch)
+        if self.policy is None:
+            self._build_policy()
+
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
-        carried = self.dataset is not None and self.dataset.resume_position is not None  # a refit in this process
-        resumed = self.step == 0 and epoch > 0 and self.restored is None and not carried and self._adapts()
-        if resumed and "no_backup" not in self._warned:  # (that one said it already)
-            start = (
-                f"IvyLoadBalancer: this fit starts at epoch {epoch} (resumed by BackupAndRestore, or initial_epoch) "
-                f"at the ElasticDataset's batch size {self.dataset.batch_size if self.dataset else None}, but a "
-                "learning rate restored with the weights may be the one of a batch size the earlier run reached: "
-            )
-            self._warn_once(
-                "resumed",
-                start + "pass IvyLoadBalancer(backup_dir=...) the BackupAndRestore's backup_dir to restore both"
-                if self.backup_dir is None
-                else start + f"{self.backup_dir} holds no balancer state for it",
-            )
+        if self.dataset is not None and not self._stream_started:
+            self._start_stream(epoch)
         self._epoch_t0 = self._last_batch_t = t
         self.epoch = epoch
         self._epoch_ooms = 0
@@ -409,12 +409,14 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self._guard.remove(self.model)
-        if self.dataset is not None:
+        if self.dataset is not None and not self._stream_started:  # no epoch ran: what it inherited passes on
+            self.dataset.owed_lr_factor *= self._owed
+        elif self.dataset is not None:
             # The next fit starts a new iterator at batch 0: continue the stream, with what is scheduled, and the
             # learning rate of what is scheduled (on the dataset: a new callback over it continues alike).
             self.dataset.resume_position = self.dataset.position_at(self.step)
             self.dataset.owed_lr_factor *= math.prod(f for _, f in self._pending)
-            self._pending = []
+        self._pending = []
         self.close()
 
     def close(self) -> None:
@@ -436,11 +438,11 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         """The optimizer's learning rate now (what ``BackupAndRestore`` saves with the weights)."""
         return learning_rate_value(self.model)
 
-    def _restore(self) -> BalancerBackup | None:
-        """The backup of the epoch a ``BackupAndRestore`` in ``backup_dir`` resumes this fit at, if any."""
-        if self.backup_dir is None or self.dataset is None:
-            return None
-        epoch, restored = balancer_backup.resumed_state(self.backup_dir)
+    def _restore(self, epoch: int) -> BalancerBackup | None:
+        """The state saved for ``epoch`` in ``backup_dir``, if any; a fit started past epoch 0 without one is warned
+        (once): the learning rate restored with the weights may be that of a batch size the earlier run reached."""
+        assert self.dataset is not None
+        restored = None if self.backup_dir is None or epoch == 0 else balancer_backup.state_at(self.backup_dir, epoch)
         sizes = [] if restored is None else [restored.batch_now, *(size for _, size in restored.scheduled)]
         if any(size % self.dataset.num_replicas or size > self.dataset.num_samples for size in sizes):
             self._warn_once(
@@ -450,11 +452,18 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
                 f"devices?); the fit starts at the ElasticDataset's batch size {self.dataset.batch_size}",
             )
             return None
-        if epoch is not None and epoch > 0 and restored is None and self._adapts():
+        carried = self.dataset.resume_position is not None  # a refit in this process goes on where the last ended
+        if epoch > 0 and restored is None and not carried and self._adapts():
+            start = (
+                f"IvyLoadBalancer: this fit starts at epoch {epoch} (resumed by BackupAndRestore, or initial_epoch) "
+                f"at the ElasticDataset's batch size {self.dataset.batch_size}, but a learning rate restored with "
+                "the weights may be the one of a batch size the earlier run reached: "
+            )
             self._warn_once(
-                "no_backup",
-                f"IvyLoadBalancer: BackupAndRestore resumes at epoch {epoch} but {self.backup_dir} holds no balancer "
-                f"state for it; the fit starts at the ElasticDataset's batch size {self.dataset.batch_size}",
+                "resumed",
+                start + "pass IvyLoadBalancer(backup_dir=...) the BackupAndRestore's backup_dir to restore both"
+                if self.backup_dir is None
+                else start + f"{self.backup_dir} holds no balancer state for it",
             )
         return restored
 

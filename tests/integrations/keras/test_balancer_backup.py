@@ -29,21 +29,15 @@ def _metadata(directory: Path, text: str) -> None:
     (directory / balancer_backup.KERAS_METADATA_FILE).write_text(text)
 
 
-def test_the_last_two_epochs_and_those_keras_names_are_kept_and_the_named_one_resumes(tmp_path: Path) -> None:
+def test_the_last_two_epochs_and_those_keras_names_are_kept_and_read_back(tmp_path: Path) -> None:
     for epochs_done in range(1, 5):
         balancer_backup.save(tmp_path, _state(epochs_done), named=1 if epochs_done < 4 else None)
     kept = json.loads((tmp_path / balancer_backup.STATE_FILE).read_text())["states"]
     assert sorted(kept, key=int) == ["3", "4"]  # epoch 1 kept while named, dropped by the save naming none
-    _metadata(tmp_path, json.dumps({"epoch": 3}))
-    epoch, state = balancer_backup.resumed_state(tmp_path)
-    assert epoch == 3 and state is not None
+    state = balancer_backup.state_at(tmp_path, 3)
+    assert state is not None and balancer_backup.state_at(tmp_path, 1) is None
     assert state.position == 300 and state.learning_rate == pytest.approx(0.03)
     assert [tuple(s) for s in state.scheduled] == [(3, 32)]
-
-
-def test_no_metadata_means_no_backup(tmp_path: Path) -> None:
-    balancer_backup.save(tmp_path, _state(1), named=None)
-    assert balancer_backup.resumed_state(tmp_path) == (None, None)
 
 
 @pytest.mark.parametrize("text", ["", '{"epoch": ', '{"other": 1}', '{"epoch": "x"}', "[1]"])
@@ -58,10 +52,10 @@ def test_unreadable_keras_metadata_is_warned_and_names_no_epoch(tmp_path: Path, 
 
 
 def test_a_file_not_ours_or_of_other_fields_is_ignored_with_a_warning(tmp_path: Path) -> None:
-    _metadata(tmp_path, json.dumps({"epoch": 1}))
+    assert balancer_backup.state_at(tmp_path, 1) is None  # no file: nothing saved, nothing to warn about
     (tmp_path / balancer_backup.STATE_FILE).write_text("not json")
     with pytest.warns(RuntimeWarning, match="not a balancer backup"):
-        assert balancer_backup.resumed_state(tmp_path) == (1, None)
+        assert balancer_backup.state_at(tmp_path, 1) is None
     (tmp_path / balancer_backup.STATE_FILE).write_text(json.dumps({"version": 1, "states": {"1": {"epochs": 1}}}))
     with pytest.warns(RuntimeWarning, match="ignoring"):
-        assert balancer_backup.resumed_state(tmp_path) == (1, None)
+        assert balancer_backup.state_at(tmp_path, 1) is None

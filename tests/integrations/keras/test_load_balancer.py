@@ -232,6 +232,10 @@ def test_a_new_balancer_over_the_dataset_applies_the_learning_rate_of_the_batch_
     with pytest.raises(RuntimeError, match="library is missing"):
         model.fit(data.tf_dataset(), steps_per_epoch=2, callbacks=[failing], verbose=0, shuffle=False)
     assert data.owed_lr_factor == 2.0 and data.resume_position == 4 * 16
+    # And a fit that runs no epoch (epochs=0) passes both on untouched.
+    idle = _balancer(data, [BUSY], max_batch_size=64)
+    model.fit(data.tf_dataset(), steps_per_epoch=2, epochs=0, callbacks=[idle], verbose=0, shuffle=False)
+    assert data.owed_lr_factor == 2.0 and data.resume_position == 4 * 16
     spy = Spy()
     second = _balancer(data, [BUSY, BUSY], max_batch_size=64)  # holds B
     model.fit(data.tf_dataset(), steps_per_epoch=2, epochs=2, callbacks=[second, spy], verbose=0, shuffle=False)
@@ -267,6 +271,7 @@ def _backed_up_fit(
     balancer_dir: Any,
     save_freq: Any = "epoch",
     optimizer: Any = None,
+    double_checkpoint: bool = False,
     **options: Any,
 ) -> tuple[Any, Spy]:
     """A fresh process's 4-epoch fit (new dataset, model, callbacks) under BackupAndRestore, SGD (linear LR); the
@@ -276,7 +281,8 @@ def _backed_up_fit(
     model = _model(keras.optimizers.SGD(0.05) if optimizer is None else optimizer)
     spy = Spy()
     balancer = _balancer(data, [IDLE] * 4, max_batch_size=128, backup_dir=balancer_dir, **options)
-    callbacks = [balancer, keras.callbacks.BackupAndRestore(str(backup), save_freq=save_freq), spy]
+    restore = keras.callbacks.BackupAndRestore(str(backup), save_freq=save_freq, double_checkpoint=double_checkpoint)
+    callbacks = [balancer, restore, spy]
     callbacks += [crash] if crash is not None else []
     model.fit(data.tf_dataset(), steps_per_epoch=4, epochs=4, callbacks=callbacks, verbose=0, shuffle=False)
     return model, spy
@@ -306,6 +312,20 @@ def test_a_fit_resumed_by_backup_and_restore_goes_on_as_the_uninterrupted_one(di
     with pytest.warns(RuntimeWarning, match=r"starts at epoch 3 .* pass IvyLoadBalancer\(backup_dir=\.\.\.\)"):
         _, control = _backed_up_fit(digits, tmp_path / "control", None, None)
     assert control.steps[0][1] == 16 and control.steps[0][0] == pytest.approx(0.1, rel=1e-6)
+
+
+def test_a_fit_that_backup_and_restore_resumes_from_its_previous_backup_takes_that_epochs_state(
+    digits: Any, tmp_path: Any
+) -> None:
+    """``double_checkpoint=True``: pre-empted after epoch 2 with the latest weights unreadable, Keras resumes from the
+    backup before it, at epoch 2 (after the balancer's ``on_train_begin``, listed first, has run): epochs 2 and 3 then
+    go as in the uninterrupted fit, from the balancer's state of epoch 2, not of 3."""
+    _, whole_spy = _backed_up_fit(digits, tmp_path / "whole", None, tmp_path / "whole")
+    with pytest.raises(KeyboardInterrupt):
+        _backed_up_fit(digits, tmp_path / "cut", _Crash(2), tmp_path / "cut", double_checkpoint=True)
+    (tmp_path / "cut" / "latest.weights.h5").write_bytes(b"cut short")
+    _, spy = _backed_up_fit(digits, tmp_path / "cut", None, tmp_path / "cut", double_checkpoint=True)
+    assert spy.steps == whole_spy.steps[-8:]  # epochs 2 and 3: B 32 then 64 from epoch 3's third step
 
 
 def test_a_backup_taken_after_a_change_landed_replays_its_epoch_at_the_saved_rate(digits: Any, tmp_path: Any) -> None:
@@ -357,7 +377,8 @@ def test_backup_dir_without_a_state_for_the_epoch_warns_once_saying_so(
     digits: Any, tmp_path: Any, metadata: int | None
 ) -> None:
     """A fit started at epoch 2 with a ``backup_dir`` that holds no balancer state for it: with Keras's metadata
-    naming that epoch, or none (``initial_epoch`` alone), one warning that says so and where."""
+    naming that epoch, or none (``initial_epoch`` alone), one warning that says so and where (the epoch is the one
+    the fit starts at, whatever the metadata said before ``BackupAndRestore`` read it)."""
     x, y = digits
     if metadata is not None:
         (tmp_path / "training_metadata.json").write_text(json.dumps({"epoch": metadata}))
@@ -368,8 +389,7 @@ def test_backup_dir_without_a_state_for_the_epoch_warns_once_saying_so(
         warnings.simplefilter("always")
         model.fit(data.tf_dataset(), steps_per_epoch=2, initial_epoch=2, epochs=3, callbacks=[balancer], verbose=0)
     said = [str(w.message) for w in warned if "balancer state" in str(w.message)]
-    assert len(said) == 1 and f"{tmp_path} holds no balancer state" in said[0], said
-    assert ("BackupAndRestore resumes at epoch 2" in said[0]) == (metadata is not None), said
+    assert len(said) == 1 and "starts at epoch 2" in said[0] and f"{tmp_path} holds no balancer state" in said[0]
 
 
 def test_memory_pressure_shrinks_to_the_bound(digits: Any) -> None:

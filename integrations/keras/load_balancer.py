@@ -185,7 +185,6 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self._step_calls: list[float] = []
         self._rule = "none"
         self._pending: list[tuple[int, float]] = []  # (step, LR factor) not applied yet
-        self._owed = 1.0  # the learning-rate factor this fit owes the batch size it inherits (no backup restored)
         self._stream_started = False  # the first epoch's start has set where the stream starts
         self._chunk_begin = 0
         self._hook_s = 0.0  # time spent in this callback's hooks this epoch
@@ -253,19 +252,18 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self._rule = resolve_rule(self.config.lr_scaling, optimizer)
         if self.dataset is not None and self.config.adapt_batch_size:  # else it never changes the learning rate
             check_assignable_lr(optimizer, self._rule)
-        owed = math.prod(f for _, f in self._pending)  # left over from a fit that ended without on_train_end
         if self.dataset is not None:
             if self.dataset.num_replicas != self._replicas():
                 raise ValueError(
                     f"the ElasticDataset was built for {self.dataset.num_replicas} replica(s) but the model's "
                     f"strategy has {self._replicas()}: pass model.distribute_strategy to tf_dataset()"
                 )
-            owed *= self.dataset.owed_lr_factor  # this fit trains at the batch size the last one scheduled
-            if owed != 1.0:
+            # factors left over from a fit that ended without on_train_end join what the dataset owes: this fit
+            # trains at the batch size the last one scheduled (the dataset keeps it until the stream has started)
+            self.dataset.owed_lr_factor *= math.prod(f for _, f in self._pending)
+            if self.dataset.owed_lr_factor != 1.0:
                 check_assignable_lr(optimizer, self._rule)  # the inherited batch size's rate is assigned too
-        # Checked. The dataset's owed factor is cleared only once the start has succeeded (below).
         self.step = 0
-        self._owed = owed
         self._pending = []
         self.restored = None
         self._stream_started = False
@@ -280,8 +278,6 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self._watch_gradients()
         if self.dataset is not None and self.config.oom_recovery:
             self._guard.install(self.model, self._workers())
-        if self.dataset is not None:  # this fit took it (last: a start that failed above leaves it for the next)
-            self.dataset.owed_lr_factor = 1.0
 
     def _start_stream(self, epoch: int) -> None:
         """Where this fit's stream starts and at which batch size: the state saved for ``epoch`` in ``backup_dir``
@@ -289,18 +285,20 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         first epoch's start, before any batch is produced: only then has every callback's ``on_train_begin`` run,
         ``BackupAndRestore``'s with it, which may have fallen back to its previous backup (``double_checkpoint``)."""
         assert self.dataset is not None
-        self._stream_started = True
         restored = self._restore(epoch)
         if restored is not None:  # the schedule as it stood when the backup was taken, whatever this process held
             pending = [(int(ahead), float(f)) for ahead, f in restored.pending]
-            if pending:
-                check_assignable_lr(inner_optimizer(self.model), self._rule)
+        else:
+            owed = self.dataset.owed_lr_factor
+            pending = [(0, owed)] if owed != 1.0 else []
+        if restored is not None and pending:
+            check_assignable_lr(inner_optimizer(self.model), self._rule)  # checked before anything changes
+        if restored is not None:
             self.core.load_state_dict(restored.core)
             self.dataset.restart(restored.batch_now, start_position=restored.position)
             for ahead, size in restored.scheduled:  # changes decided but not reached: at the same steps
                 self.dataset.set_batch_size(int(size), at_step=int(ahead))
         else:
-            pending = [(0, self._owed)] if self._owed != 1.0 else []
             position = self.dataset.resume_position
             start = self.dataset.position_at(0) if position is None else position
             self.dataset.restart(self.dataset.batch_size, start_position=start)
@@ -310,6 +308,10 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self.core.start(batch)
         if self.policy is None:
             self._build_policy()
+        if self.config.oom_recovery:  # BackupAndRestore, later in the callbacks, may have restored the counter
+            self._guard.count_from(self.model)
+        self.dataset.owed_lr_factor = 1.0  # this fit took it (pending): last, so a start that failed leaves it
+        self._stream_started = True
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         t = time.perf_counter()
@@ -409,9 +411,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self._guard.remove(self.model)
-        if self.dataset is not None and not self._stream_started:  # no epoch ran: what it inherited passes on
-            self.dataset.owed_lr_factor *= self._owed
-        elif self.dataset is not None:
+        if self.dataset is not None and self._stream_started:  # (no epoch ran: the dataset keeps what it had)
             # The next fit starts a new iterator at batch 0: continue the stream, with what is scheduled, and the
             # learning rate of what is scheduled (on the dataset: a new callback over it continues alike).
             self.dataset.resume_position = self.dataset.position_at(self.step)

@@ -78,6 +78,11 @@ class StepGuard:
         self._iterations = 0  # optimizer iterations after the last completed step (kept without reading it)
         self._own_batches = False  # this fit reads its batches from the ElasticDataset, not Keras's iterator
 
+    def count_from(self, model: Any) -> None:
+        """Take the optimizer's step counter as it is now (at the first epoch's start again: a ``BackupAndRestore``
+        after the balancer in the callbacks restores it after the balancer's ``on_train_begin``)."""
+        self._iterations = int(keras.ops.convert_to_numpy(inner_optimizer(model).iterations))
+
     def install(self, model: Any, workers: int) -> None:
         """Wrap ``model.train_function`` (built by Keras just before ``on_train_begin``) for this fit."""
         current = model.train_function
@@ -93,7 +98,7 @@ class StepGuard:
             )
         self.reason = reason
         self._own_batches = False
-        self._iterations = int(keras.ops.convert_to_numpy(inner_optimizer(model).iterations))
+        self.count_from(model)
         if reason is not None and keras_backend() != "tensorflow":
             self.owner._warn_once(
                 "oom_split",

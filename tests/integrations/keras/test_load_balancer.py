@@ -232,6 +232,16 @@ def test_a_new_balancer_over_the_dataset_applies_the_learning_rate_of_the_batch_
     with pytest.raises(RuntimeError, match="library is missing"):
         model.fit(data.tf_dataset(), steps_per_epoch=2, callbacks=[failing], verbose=0, shuffle=False)
     assert data.owed_lr_factor == 2.0 and data.resume_position == 4 * 16
+    # And one that a later callback refuses at its start (BackupAndRestore failing to read its backup).
+
+    class Refuses(keras.callbacks.Callback):
+        def on_train_begin(self, logs: Any = None) -> None:
+            raise RuntimeError("the backup cannot be read")
+
+    refused = [_balancer(data, [BUSY], max_batch_size=64), Refuses()]
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        model.fit(data.tf_dataset(), steps_per_epoch=2, callbacks=refused, verbose=0, shuffle=False)
+    assert data.owed_lr_factor == 2.0 and data.resume_position == 4 * 16
     # And a fit that runs no epoch (epochs=0) passes both on untouched.
     idle = _balancer(data, [BUSY], max_batch_size=64)
     model.fit(data.tf_dataset(), steps_per_epoch=2, epochs=0, callbacks=[idle], verbose=0, shuffle=False)

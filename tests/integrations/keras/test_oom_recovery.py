@@ -156,6 +156,24 @@ def test_single_device_oom_step_is_split_on_the_same_data() -> None:
     _fit_and_check(None, threshold=40, expected_parts=2)
 
 
+def test_a_split_step_counts_on_from_the_step_count_a_later_callback_restored() -> None:
+    """``BackupAndRestore``, listed after the balancer, restores the optimizer's step counter after the balancer's
+    ``on_train_begin``: split steps count on from it (from 0, Adam's bias correction would start again)."""
+    x, y = _data(7)
+    data = ElasticDataset(x, y, batch_size=64, seed=11, lag=1)
+    model = _model(40)
+
+    class Restores(keras.callbacks.Callback):
+        def on_train_begin(self, logs: Any = None) -> None:
+            self.model.optimizer.iterations.assign(100)
+
+    balancer, arm = _balancer(data), ArmAndRecord(arm_at=5)
+    callbacks = [balancer, Restores(), arm]
+    model.fit(data.tf_dataset(), steps_per_epoch=4, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
+    assert balancer.recovered_steps  # the case: steps ran split
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 100 + 12
+
+
 def test_mirrored_oom_step_is_split_and_replicas_stay_equal(mirrored: Any) -> None:
     # 32 samples per replica -> 2 x 16 fit under the threshold of 20.
     balancer = _fit_and_check(mirrored, threshold=20, expected_parts=2)

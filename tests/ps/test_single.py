@@ -296,11 +296,19 @@ def test_bad_arguments_are_refused() -> None:
     client = start(model, make_opt("sgd", model.parameters()))
     with pytest.raises(ValueError, match="num_samples"):
         client.step(0)
-    for bad in (-1.0, 0, float("nan"), float("inf"), True, "1"):
-        with pytest.raises(ValueError, match="max_grad_norm must be None or a finite number > 0"):
+    for bad in (-1.0, 0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match=r"max_grad_norm must be None or a number > 0 \(inf: no clipping\)"):
             client.step(2, max_grad_norm=bad)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="clip_value must be None or a finite number > 0"):
+        with pytest.raises(ValueError, match=r"clip_value must be None or a number > 0 \(inf: no clipping\)"):
             client.step(2, clip_value=bad)  # type: ignore[arg-type]
+    # inf clips nothing (torch's idiom for the norm without clipping): the same step as without
+    clipped, plain = mlp(seed=0), mlp(seed=0)
+    for net, kwargs in ((clipped, {"max_grad_norm": float("inf"), "clip_value": float("inf")}), (plain, {})):
+        c = start(net, make_opt("sgd", net.parameters()))
+        net(torch.ones(3, net[0].in_features)).square().sum().backward()
+        c.step(3, **kwargs)
+        c.close()
+    torch.testing.assert_close(list(clipped.parameters()), list(plain.parameters()), rtol=0, atol=0)
 
 
 def test_hyperparameters_still_follow_the_worker_optimizer_after_load_state_dict() -> None:

@@ -80,8 +80,8 @@ class _Metrics:
 
 
 def _positive_number(x: object) -> bool:
-    """A finite int or float > 0 (a bool is no bound)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    """An int or float > 0, inf included (clips nothing, as in torch); not NaN, not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
 def _named(items: Sequence[Any], what: str) -> list[tuple[str, torch.Tensor]]:
@@ -463,7 +463,7 @@ class PSClient:
             raise ValueError(f"num_samples must be an int > 0, got {num_samples!r}")
         for name, bound in (("max_grad_norm", max_grad_norm), ("clip_value", clip_value)):
             if bound is not None and not _positive_number(bound):
-                raise ValueError(f"{name} must be None or a finite number > 0, got {bound!r}")
+                raise ValueError(f"{name} must be None or a number > 0 (inf: no clipping), got {bound!r}")
         sync_clip = float(max_grad_norm) if (max_grad_norm is not None and self.cfg.mode == "sync") else -1.0
         sync_value = float(clip_value) if (clip_value is not None and self.cfg.mode == "sync") else -1.0
         if sync_clip >= 0 and self.topo.others:

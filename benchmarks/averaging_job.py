@@ -6,18 +6,18 @@ one node of a two-node job, started by ``torchrun --nnodes 2`` on each (emulated
 ``--link DEV`` then also records the bytes that crossed the interface ``DEV`` during each fit (the kernel's
 own counters, read on rank 0's host).
 
-A config is ``ddp`` (DDP), ``ivy_ps[/wire][/dedicated]`` (the PS in async mode on pushed gradients; co-located
-servers, or with ``/dedicated`` one server process on rank 0's host), ``ivy_ps_sync[/wire][/dedicated]`` (sync
-mode) or ``avg/H/outer/wire[/overlap]`` (the optimizer in ``LocalUpdates`` with ``sync_every=H``, where
-``H`` may be ``auto``, async mode, merged by the outer optimizer ``outer``; ``outer@lr@momentum`` sets its
-``outer_lr`` and ``outer_momentum``; ``/overlap`` exchanges in the background). ``--optimizer`` is AdamW
-(default) or ``lamb`` (ivyplug's LAMB), the same in every config. Settings: ``digits`` is the
-compute-bound MLP 64-1024-1024-10 of ``bench ps`` at batch 256 on the training set repeated 32x (90 steps per
-worker and epoch); ``wide`` is 64-2048-2048-10 at batch 16 on the training set (45 steps per worker and epoch),
-where communication is a larger share of a step. The slow worker is ``bench ps``'s delay injector (rank 1
-sleeps (k-1) x 3 x its measured forward time every step). Rank 0 writes, per config: train-epoch wall times,
-the wall time and validation accuracy at the end of every epoch's validation, and the bytes the workers moved.
-"""
+A config is ``ddp`` (DDP), ``ivy_ps[/wire][/overlap_backward][/dedicated]`` (the PS in async mode on pushed
+gradients; co-located servers, or with ``/dedicated`` one server process on rank 0's host; ``/overlap_backward``:
+pushes from backward's hooks), ``ivy_ps_sync[/wire][/overlap_backward][/dedicated]`` (sync mode) or
+``avg/H/outer/wire[/overlap]`` (the optimizer in ``LocalUpdates`` with ``sync_every=H``, where ``H`` may be
+``auto``, async mode, merged by the outer optimizer ``outer``; ``outer@lr@momentum`` sets its ``outer_lr`` and
+``outer_momentum``; ``/overlap`` exchanges in the background). ``--optimizer`` is AdamW (default) or ``lamb``
+(ivyplug's LAMB), the same in every config. Settings: ``digits`` is the compute-bound MLP 64-1024-1024-10 of ``bench
+ps`` at batch 256 on the training set repeated 32x (90 steps per worker and epoch); ``wide`` is 64-2048-2048-10 at
+batch 16 on the training set (45 steps per worker and epoch), where communication is a larger share of a step. The
+slow worker is ``bench ps``'s delay injector (rank 1 sleeps (k-1) x 3 x its measured forward time every step). Rank
+0 writes, per config: train-epoch wall times, the wall time and validation accuracy at the end of every epoch's
+validation, and the bytes the workers moved."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from ivyplug.benchmarks.averaging import OPTIMIZERS
+from ivyplug.benchmarks.averaging import OPTIMIZERS, WIRES
 from ivyplug.benchmarks.ps_job import EpochClock, digits, quiet_trainer, slow_down
 from ivyplug.integrations.lightning.launchers import destroy_default_group
 from torch import nn
@@ -124,11 +124,12 @@ def _config(
     outer: str = "-",
     overlap: bool = False,
     servers: int = 0,
+    overlap_backward: bool = False,
 ) -> dict[str, Any]:
     """A parsed config: its parts, the unnamed ones at their defaults."""
     return {
         "kind": kind, "mode": mode, "wire": wire, "sync_every": sync_every, "outer": outer, "overlap": overlap,
-        "servers": servers,
+        "servers": servers, "overlap_backward": overlap_backward,
     }  # fmt: skip
 
 
@@ -139,15 +140,19 @@ def parse_config(config: str) -> dict[str, Any]:
     if kind == "ddp" and len(parts) == 1:
         return _config(kind)
     dedicated = parts[-1] == "dedicated"
-    if kind in ("ivy_ps", "ivy_ps_sync") and len(parts) - dedicated <= 2:
+    rest = parts[1 : len(parts) - dedicated]
+    early = bool(rest) and rest[-1] == "overlap_backward"
+    rest = rest[: len(rest) - early]
+    if kind in ("ivy_ps", "ivy_ps_sync") and len(rest) <= 1 and (not rest or rest[0] in WIRES):
         mode = "sync" if kind == "ivy_ps_sync" else "async"
-        wire = parts[1] if len(parts) - dedicated > 1 else "float32"
-        return _config(kind, mode, wire, servers=int(dedicated))
+        wire = rest[0] if rest else "float32"
+        return _config(kind, mode, wire, servers=int(dedicated), overlap_backward=early)
     if kind == "avg" and len(parts) in (4, 5) and (len(parts) == 4 or parts[4] == "overlap"):
         h: SyncEvery = "auto" if parts[1] == "auto" else int(parts[1])
         return _config(kind, "async", parts[3], h, parts[2], overlap=len(parts) == 5)
     raise ValueError(
-        f"unknown config {config!r}: ddp, ivy_ps[/wire][/dedicated], ivy_ps_sync[/wire][/dedicated] or "
+        f"unknown config {config!r}: ddp, ivy_ps[/wire][/overlap_backward][/dedicated], "
+        "ivy_ps_sync[/wire][/overlap_backward][/dedicated] or "
         "avg/H/outer/wire[/overlap]"
     )
 
@@ -169,7 +174,13 @@ def run_config(
     c = parse_config(config)
     strategy: Any = "ddp"
     if c["mode"] is not None:
-        strategy = IvyPSStrategy(mode=c["mode"], wire_dtype=c["wire"], timeout=300, num_servers=c["servers"])
+        strategy = IvyPSStrategy(
+            mode=c["mode"],
+            wire_dtype=c["wire"],
+            timeout=300,
+            num_servers=c["servers"],
+            overlap_backward=c["overlap_backward"],
+        )
     pl.seed_everything(seed, verbose=False)
     train, val = digits(repeat)
     clock, acc = EpochClock(), AccuracyClock()

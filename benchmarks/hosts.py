@@ -38,6 +38,8 @@ CONFIGS = (
     "ddp", "ivy_ps_sync", "ivy_ps", "ivy_ps_sync/bfloat16", "ivy_ps/bfloat16", "ivy_ps/dedicated",
     "ivy_ps/bfloat16/dedicated",
 )  # fmt: skip
+#: run when selected (``--select config=...``), not by default
+OPTIONAL_CONFIGS = ("ivy_ps_sync/overlap_backward", "ivy_ps/overlap_backward")
 SLOWDOWN = 3.0
 SLOW_RATE = "100mbit"
 ROUNDS, EPOCHS = 3, 4
@@ -45,7 +47,7 @@ ROUNDS, EPOCHS = 3, 4
 
 def grid(select: dict[str, list[str]]) -> list[GridJob]:
     """(rate, slowdown, configs) jobs: every rate without a slow worker, then 100 Mbit/s with one."""
-    rates, slowdowns = read_selection("hosts", select, CONFIGS, SLOWDOWN)
+    rates, slowdowns = read_selection("hosts", select, CONFIGS + OPTIONAL_CONFIGS, SLOWDOWN)
     configs = list(select.get("config", CONFIGS))
     if "ddp" not in configs:
         configs.insert(0, "ddp")  # the reference of every ratio

@@ -98,7 +98,12 @@ def test_config_names_choose_mode_wire_and_servers() -> None:
     c = parse_config("ivy_ps_sync/bfloat16")
     assert (c["mode"], c["wire"], c["servers"]) == ("sync", "bfloat16", 0)
     assert parse_config("ddp")["servers"] == 0 and parse_config("avg/16/nesterov/int8")["servers"] == 0
-    for bad in ("ivy_ps/bfloat16/dedicated/x", "ivy_ps/bfloat16/2", "ddp/dedicated"):
+    c = parse_config("ivy_ps_sync/overlap_backward")
+    assert (c["mode"], c["wire"], c["overlap_backward"]) == ("sync", "float32", True)
+    c = parse_config("ivy_ps/bfloat16/overlap_backward/dedicated")
+    assert (c["wire"], c["overlap_backward"], c["servers"]) == ("bfloat16", True, 1)
+    assert parse_config("ivy_ps")["overlap_backward"] is False
+    for bad in ("ivy_ps/bfloat16/dedicated/x", "ivy_ps/bfloat16/2", "ddp/dedicated", "ivy_ps/overlap_backward/x"):
         with pytest.raises(ValueError, match="unknown config"):
             parse_config(bad)
     assert set(hosts.CONFIGS) >= {"ivy_ps/dedicated", "ivy_ps/bfloat16/dedicated"}

@@ -50,6 +50,16 @@ class Serve:
                 return line
         raise AssertionError(f"ivyplug serve never printed {text!r}; it printed:\n" + "\n".join(self.lines))
 
+    def wait_for_count(self, text: str, count: int, timeout: float = 60.0) -> None:
+        """Until ``count`` lines hold ``text`` (the serve's lines so far, then as they come)."""
+        deadline = time.monotonic() + timeout
+        while sum(text in line for line in list(self.lines)) < count:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(
+                    f"ivyplug serve printed {text!r} fewer than {count} times; it printed:\n" + self.log()
+                )
+            time.sleep(0.2)
+
     def log(self) -> str:
         return "\n".join(self.lines)
 

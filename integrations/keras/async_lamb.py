@@ -54,10 +54,10 @@ class AsyncLAMB(LAMB):
     ``steps_per_epoch``, so the next exchange may come up to ``steps_per_execution - 1`` steps late),
     ``overlap`` (run each exchange in the background while local steps go on; the rule is
     ``ivyplug.localsgd.delta_exchange``'s), ``merge_rate`` (``outer="average"``; ``None``: 1.0 in sync mode,
-    1/num_workers in async/ssp) and the outer optimizer's
-    ``outer``, ``outer_lr``, ``outer_momentum``, ``outer_momentum_every`` (names, defaults and meaning as for
-    :class:`ivyplug.optim.AsyncLAMB`; ``outer="lamb"`` clips its trust ratio to ``max_trust_ratio``). The
-    exchange needs :class:`AsyncLAMBExchange` in ``fit``'s callbacks.
+    1/num_workers in async/ssp) and the outer optimizer's ``outer``, ``outer_lr``, ``outer_momentum``,
+    ``outer_momentum_every`` (names, defaults and meaning as for :class:`ivyplug.optim.AsyncLAMB`; ``outer="lamb"``
+    clips its trust ratio to ``max_trust_ratio``). The exchange needs :class:`AsyncLAMBExchange` in ``fit``'s
+    callbacks.
 
     Example:
         >>> import keras

@@ -250,7 +250,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         optimizer = inner_optimizer(self.model)
         self._rule = resolve_rule(self.config.lr_scaling, optimizer)
-        if self.dataset is not None and self.config.adapt_batch_size:  # else it never changes the learning rate
+        if self._adapts():  # else it never changes the learning rate
             check_assignable_lr(optimizer, self._rule)
         if self.dataset is not None:
             if self.dataset.num_replicas != self._replicas():
@@ -288,17 +288,15 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         restored = self._restore(epoch)
         if restored is not None:  # the schedule as it stood when the backup was taken, whatever this process held
             pending = [(int(ahead), float(f)) for ahead, f in restored.pending]
-        else:
-            owed = self.dataset.owed_lr_factor
-            pending = [(0, owed)] if owed != 1.0 else []
-        if restored is not None and pending:
-            check_assignable_lr(inner_optimizer(self.model), self._rule)  # checked before anything changes
-        if restored is not None:
+            if pending:
+                check_assignable_lr(inner_optimizer(self.model), self._rule)  # checked before anything changes
             self.core.load_state_dict(restored.core)
             self.dataset.restart(restored.batch_now, start_position=restored.position)
             for ahead, size in restored.scheduled:  # changes decided but not reached: at the same steps
                 self.dataset.set_batch_size(int(size), at_step=int(ahead))
         else:
+            owed = self.dataset.owed_lr_factor
+            pending = [(0, owed)] if owed != 1.0 else []
             position = self.dataset.resume_position
             start = self.dataset.position_at(0) if position is None else position
             self.dataset.restart(self.dataset.batch_size, start_position=start)
@@ -392,7 +390,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
                         if seg.start_step > self.step
                     ],
                     pending=[(at - self.step, f) for at, f in self._pending],
-                    learning_rate=self._learning_rate(),
+                    learning_rate=learning_rate_value(self.model),
                 )
                 balancer_backup.save(self.backup_dir, state, named)
         batch_size = self.dataset.batch_size_at(max(self.step - 1, 0)) if self.dataset is not None else None
@@ -434,10 +432,6 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         """Whether this balancer may change the batch size (and so the learning rate)."""
         return self.dataset is not None and self.config.adapt_batch_size
 
-    def _learning_rate(self) -> float:
-        """The optimizer's learning rate now (what ``BackupAndRestore`` saves with the weights)."""
-        return learning_rate_value(self.model)
-
     def _restore(self, epoch: int) -> BalancerBackup | None:
         """The state saved for ``epoch`` in ``backup_dir``, if any; a fit started past epoch 0 without one is warned
         (once): the learning rate restored with the weights may be that of a batch size the earlier run reached."""
@@ -473,7 +467,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         start, so the saved rate is set again and the changes land at their steps)."""
         if self._rule == "none" or not hasattr(inner_optimizer(self.model).learning_rate, "assign"):
             return  # the balancer never scales this rate (a schedule, lr_scaling="none")
-        now = self._learning_rate()
+        now = learning_rate_value(self.model)
         if math.isclose(now, restored.learning_rate, rel_tol=1e-5):
             return
         landed = restored.learning_rate

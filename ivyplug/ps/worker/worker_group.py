@@ -61,32 +61,33 @@ class WorkerGroup:
         self.wait(dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "the link's timing")
         return 4 * data.numel() / max(float(slowest.min()), 1e-9)
 
+    def _padded(self, blob: bytes, what: str) -> tuple[list[int], torch.Tensor]:
+        """Every worker's length of its ``blob`` (all-gathered) and this worker's, zero-padded to the longest."""
+        mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
+        sizes = [int(x) for x in self.all_gather(torch.tensor([mine.numel()], dtype=torch.int64), f"{what} (sizes)")]
+        padded = torch.zeros(max(1, *sizes), dtype=torch.uint8)
+        padded[: mine.numel()] = mine
+        return sizes, padded
+
     def share_all(self, blob: bytes) -> list[bytes]:
         """All-gather one byte string per worker."""
         if self.world_size == 1:
             return [blob]
-        mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
-        sizes = self.all_gather(torch.tensor([mine.numel()], dtype=torch.int64), "checkpoint sizes")
-        longest = max(1, max(int(x) for x in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: mine.numel()] = mine
+        sizes, padded = self._padded(blob, "checkpoint shards")
         parts = self.all_gather(padded, "checkpoint shards")
-        return [parts[r][: int(sizes[r])].numpy().tobytes() for r in range(self.world_size)]
+        return [parts[r][: sizes[r]].numpy().tobytes() for r in range(self.world_size)]
 
     def gather_to_rank0(self, blob: bytes, what: str) -> dict[int, bytes] | None:
         """Every worker's ``blob`` on rank 0, by rank; ``None`` on the others, which receive nothing (a checkpoint's
         per-worker parts: only rank 0 writes them, and N of them on every rank would be N times the memory)."""
         if self.world_size == 1:
             return {0: blob}
-        mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
-        sizes = self.all_gather(torch.tensor([mine.numel()], dtype=torch.int64), f"{what} (sizes)")
-        padded = torch.zeros(max(1, max(int(x) for x in sizes)), dtype=torch.uint8)
-        padded[: mine.numel()] = mine
+        sizes, padded = self._padded(blob, what)
         parts = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
         self.wait(dist.gather(padded, parts, dst=0, group=self.group, async_op=True), what)
         if parts is None:
             return None
-        return {r: parts[r][: int(sizes[r])].numpy().tobytes() for r in range(self.world_size)}
+        return {r: parts[r][: sizes[r]].numpy().tobytes() for r in range(self.world_size)}
 
     def share_from_rank0(self, blobs: list[bytes], count: int) -> list[bytes]:
         """Rank 0's ``count`` byte strings to every worker."""

@@ -174,6 +174,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         super().__init__()
         _warn_unused_num_servers()
         self.config = PSConfig.from_settings(
+            "AsyncLAMBExchange",
             mode=mode,
             staleness=staleness,
             staleness_scaling=staleness_scaling,

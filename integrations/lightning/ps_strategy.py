@@ -210,6 +210,7 @@ class IvyPSStrategy(DDPStrategy):
             )
         # None: [tool.ivyplug.ps] in pyproject.toml / IVYPLUG_PS_* (ivyplug.settings), else the built-in default
         self.ps_config = PSConfig.from_settings(
+            "IvyPSStrategy",
             mode=mode,
             staleness=staleness,
             staleness_scaling=staleness_scaling,

@@ -148,14 +148,15 @@ class PSConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_settings(cls, **overrides: Any) -> PSConfig:
+    def from_settings(cls, caller: str = "PSConfig", **overrides: Any) -> PSConfig:
         """Build from the project's defaults (:mod:`ivyplug.settings`), as ``IvyPSStrategy`` and the Keras
         ``AsyncLAMBExchange`` do, so that both frameworks read ``[tool.ivyplug.ps]`` / ``IVYPLUG_PS_*`` alike.
 
         A keyword given as None that the settings know (``timeout``, ``num_servers``, ``servers``…) takes the
         project's value, else the built-in default; a keyword not given takes the built-in default (a caller
         that offers no ``num_servers`` never reads it); others are used as given. The token comes from code,
-        else ``$IVYPLUG_TOKEN`` (never a project file).
+        else ``$IVYPLUG_TOKEN`` (never a project file). ``caller``: whose arguments these are, named by a refusal
+        (``IvyPSStrategy: mode must be one of ...``) in place of the dataclass's fields.
         """
         from ivyplug import settings
 
@@ -172,11 +173,15 @@ class PSConfig:
         values["token"] = settings.token(overrides.get("token"))
         try:
             return cls.from_kwargs(**values)
-        except ValueError as exc:  # a project value refused: say where it was set, as the code never named it
-            sources = [where for key, where in taken.items() if re.search(rf"\b{key}\b", str(exc))]
-            if not sources:
+        except ValueError as exc:
+            text = str(exc) if caller == cls.__name__ else f"{caller}: {str(exc).replace(cls.__name__ + '.', '')}"
+            # a project value refused: say where it was set, as the code never named it
+            sources = [where for key, where in taken.items() if re.search(rf"\b{key}\b", text)]
+            if sources:
+                text = f"{text} (set by {'; '.join(sources)})"
+            if text == str(exc):
                 raise
-            raise ValueError(f"{exc} (set by {'; '.join(sources)})") from None
+            raise ValueError(text) from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for logging and hyperparameter saving); the token shows only whether one is set."""

@@ -44,7 +44,7 @@ def test_config_round_trip_and_bad_arguments() -> None:
     assert again.overlap is False
     with pytest.raises(ValueError, match="merge_rate must be None or a finite number > 0"):
         AsyncLAMB(merge_rate=float("inf"))
-    with pytest.raises(ValueError, match=r"PSConfig\.mode"):
+    with pytest.raises(ValueError, match=r"^AsyncLAMBExchange: mode must be one of \('sync', 'async', 'ssp'\)"):
         AsyncLAMBExchange(mode="bsp")
 
 

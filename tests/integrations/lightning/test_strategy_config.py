@@ -126,7 +126,7 @@ def test_project_defaults_from_pyproject_and_environment(tmp_path: Path, monkeyp
     monkeypatch.setenv("IVYPLUG_PS_TIMEOUT", "42")
     assert IvyPSStrategy().ps_config.timeout == 42.0  # the environment beats the file
     (tmp_path / "pyproject.toml").write_text("[tool.ivyplug.ps]\nnum_servers = -1\n")
-    with pytest.raises(ValueError, match=r"PSConfig\.num_servers must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"^IvyPSStrategy: num_servers must be an int >= 0, got -1 \(set by .*toml"):
         IvyPSStrategy()
 
 
@@ -144,8 +144,11 @@ def test_nonfinite_policy_from_argument_environment_and_pyproject(
     monkeypatch.setenv("IVYPLUG_PS_NONFINITE", "skip")
     assert IvyPSStrategy().ps_config.nonfinite == "skip"  # the environment beats the file
     assert IvyPSStrategy(nonfinite="raise").ps_config.nonfinite == "raise"  # an argument beats both
-    with pytest.raises(ValueError, match=r"PSConfig\.nonfinite must be one of \('skip', 'raise'\), got 'drop'"):
+    with pytest.raises(ValueError, match=r"^IvyPSStrategy: nonfinite must be one of \('skip', 'raise'\), got 'drop'$"):
         IvyPSStrategy(nonfinite="drop")
+    monkeypatch.setenv("IVYPLUG_PS_TIMEOUT", "0")  # a project value refused: the caller and where it was set
+    with pytest.raises(ValueError, match=r"^IvyPSStrategy: timeout must be .*, got 0.0 \(set by environment variable"):
+        IvyPSStrategy()
 
 
 def test_shared_memory_from_argument_environment_and_pyproject(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

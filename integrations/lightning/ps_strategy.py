@@ -254,6 +254,7 @@ class IvyPSStrategy(DDPStrategy):
         self._metrics_logger: PSMetricsLogger | None = None
         self._lost_ranks: list[int] = []  # workers lost during the last fit (servers outside the workers)
         self._warned_local = False
+        self._failed = False  # this run raised (on_exception): teardown closes the PS without a goodbye
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -422,8 +423,16 @@ class IvyPSStrategy(DDPStrategy):
         self._metrics_logger = None
         self._in_train_batch = False
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """The run failed on this rank: :meth:`teardown` leaves the PS at once (``PSClient.abort``), so that the
+        error ``fit`` raises is this one, not a goodbye's to ranks that may be waiting on this one."""
+        super().on_exception(exception)
+        self._failed = True
+
     def teardown(self) -> None:
         client = self._client
+        failed, self._failed = self._failed, False
         if client is not None and client.lost_ranks:
             self._lost_ranks = client.lost_ranks
         self._client = None
@@ -435,7 +444,7 @@ class IvyPSStrategy(DDPStrategy):
             if detach is not None and client is not None:  # an overlapped exchange still in flight (a failed fit)
                 detach()
             if client is not None:
-                client.close()
+                client.abort() if failed else client.close()
         finally:
             super().teardown()
             _release_default_group(self.launcher)

@@ -124,6 +124,7 @@ class PSClient:
         self.closed = False
         #: the error of a request to servers outside the workers (an ivyplug serve, dedicated servers), if one failed
         self.unreachable: BaseException | None = None
+        self._failed = False  # abort(): closed after this worker failed
         self.m = _Metrics()
         #: sync mode, after each ``step``: squared L2 norm of the combined gradient the servers applied (the
         #: sample-weighted mean over workers, before clipping), summed over shards; ``None`` in async/ssp,
@@ -839,6 +840,22 @@ class PSClient:
         with self._exclusive("close()"):
             self._close()
 
+    def abort(self) -> None:
+        """Close after this worker failed: no goodbye and no wait for the other ranks, so that the error this worker
+        stopped with is the one raised, at once. The others learn of it when this process's connections close (a
+        dead peer), or from its silence (an ``ivyplug serve``'s heartbeat bound); its server processes, if any, are
+        killed. Idempotent; a later :meth:`close` does nothing."""
+        if self.closed:
+            return
+        self._failed = True
+        if not self._lock.acquire(timeout=self.cfg.timeout):  # a request still in flight on another thread
+            self.closed = True  # its failure ends it; nothing more to wait for here
+            return
+        try:
+            self._close()
+        finally:
+            self._lock.release()
+
     def _close(self) -> None:
         if self.closed:
             return
@@ -849,9 +866,10 @@ class PSClient:
             return
         err: BaseException | None = None
         try:
-            if self.unreachable is not None:
-                # the servers could not be reached: a goodbye would wait on the same link for another timeout and
-                # its error would hide the one the worker stopped with
+            if self.unreachable is not None or self._failed:
+                # the servers could not be reached (a goodbye would wait on the same link for another timeout), or
+                # this worker failed (the others may be waiting on it): either way the goodbye's error would hide
+                # the one the worker stopped with
                 raise _Unreachable
             if isinstance(self.workers, MemberGroup):  # it meets through the service: before the goodbye
                 self.workers.barrier("every rank to close the PS")

@@ -75,7 +75,7 @@ def test_the_strategy_refuses_a_bad_wire_dtype_before_spawning_and_reads_the_env
     from ivyplug.integrations.lightning import IvyPSStrategy
 
     with pytest.raises(
-        ValueError, match=r"PSConfig.wire_dtype must be one of \('float32', 'bfloat16', 'int8', 'int4'\)"
+        ValueError, match=r"^IvyPSStrategy: wire_dtype must be one of \('float32', 'bfloat16', 'int8', 'int4'\)"
     ):
         IvyPSStrategy(wire_dtype="half")
     assert IvyPSStrategy().ps_config.wire_dtype == "float32"
@@ -205,17 +205,20 @@ def _serve_run(address: str, wire: str, init: torch.Tensor, grads: list[torch.Te
             client.step(1)
             pulled.append(w.detach().clone())
         after = client.metrics()
+        client.sync()  # a pull that stays (validation, a checkpoint, the returned model)
+        synced = w.detach().clone()
     finally:
         client.close()
     traffic = {k: after[k] - before[k] for k in ("bytes_sent", "bytes_received")}
-    return {"pulled": pulled, "counter": int(counter), "traffic": traffic}
+    return {"pulled": pulled, "synced": synced, "counter": int(counter), "traffic": traffic}
 
 
 @pytest.mark.timeout(120)
 def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_halve() -> None:
     """A serve started without any wire setting (the flag is per request): an fp32 worker, then a bf16 worker
     of the same job continuing from the servers' state; the servers' fp32 master steps by exactly the bf16
-    gradient, each pull is exactly its bf16 rounding, the integer buffer is exact, and the traffic halves."""
+    gradient, each step's pull is exactly its bf16 rounding, the integer buffer is exact, and the traffic halves.
+    The pulls that stay, the first (``pull_initial``) and ``sync()``'s, are the fp32 master itself."""
     from tests.ps.service_harness import serve
 
     gen = torch.Generator().manual_seed(11)
@@ -230,7 +233,7 @@ def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_ha
     for g in grads32:
         master = (master - g.numpy()).astype(np.float32)
         expect32.append(master)
-    expect16 = [ref_bf16(master)]
+    expect16 = [master]
     for g in grads16:
         master = (master - ref_bf16(g.numpy())).astype(np.float32)
         expect16.append(ref_bf16(master))
@@ -238,6 +241,8 @@ def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_ha
         for step, (got, want) in enumerate(zip(run["pulled"], expect, strict=True)):
             torch.testing.assert_close(got, torch.from_numpy(want), rtol=0, atol=0, msg=f"pull {step}")
         assert run["counter"] == 2**40 + 3
+    torch.testing.assert_close(r16["synced"], torch.from_numpy(master), rtol=0, atol=0)
+    assert not torch.equal(r16["pulled"][-1], r16["synced"])  # the control: a step's pull in bf16 is not the master
     # the control: the same fp32 steps through the bf16 wire would not give the fp32 pulls
     assert not torch.equal(torch.from_numpy(ref_bf16(expect32[-1])), r32["pulled"][-1])
     for key in ("bytes_sent", "bytes_received"):

@@ -75,7 +75,10 @@ class ShardEndpoint(Protocol):
         self, worker: int, data: Payload | None, hyper: torch.Tensor, into: Targets | None = None
     ) -> PendingReply: ...
 
-    def pull(self, worker: int, into: Targets | None = None) -> PendingReply: ...
+    def pull(self, worker: int, into: Targets | None = None, exact: bool = False) -> PendingReply:
+        """The shard's values; ``exact``: in fp32 even over a bf16 or quantized wire (a pull that no later one
+        replaces: the values a worker starts from, validates, saves or returns)."""
+        ...
 
     def idle(self, worker: int) -> None: ...
 
@@ -133,7 +136,7 @@ class InProcessEndpoint:
             raise TypeError(f"shard {self.shard} is in this process: a push is one flat tensor, not {len(data)} parts")
         return _LocalReply(self.target.push_pull(worker, data, hyper), self.target, worker, self._stats)
 
-    def pull(self, worker: int, into: Targets | None = None) -> PendingReply:
+    def pull(self, worker: int, into: Targets | None = None, exact: bool = False) -> PendingReply:
         return _LocalReply(self.target.pull(worker), self.target, worker, self._stats)
 
     def idle(self, worker: int) -> None:
@@ -288,8 +291,12 @@ class WireEndpoint:
         reply_numel: int = 0,
         what: str = "",
         into: Targets | None = None,
+        exact: bool = False,
         **args: int,
     ) -> WireReply:
+        """Send a request of ``kind``; its reply, received when asked for. ``exact`` (a PULL): the reply in fp32,
+        whole, whatever this endpoint's wire (the server's copy of what this worker holds, for a wire that pulls
+        differences, is left as it was: so is this endpoint's)."""
         if self._open is not None:  # the last reply on this stream, left unread by a step that failed elsewhere
             self._open.drain(self.channel.timeout)
         self._seq += 1
@@ -301,6 +308,8 @@ class WireEndpoint:
             if data is not None:
                 self._into_region(data)
                 data = None  # nothing but the header travels
+        elif kind == Kind.PULL and exact and self.bf16 is not None:
+            out = self.decoded()  # fp32 and whole: no flag asks for another form
         elif kind in (Kind.PUSH_PULL, Kind.PULL):
             if self._reply_buf is None:
                 words = self.bf16.words if self.bf16 is not None else self.numel
@@ -409,8 +418,8 @@ class WireEndpoint:
     ) -> PendingReply:
         return self.request(Kind.PUSH_PULL, data, hyper, what=f"the push/pull of shard {self.shard}", into=into)
 
-    def pull(self, worker: int, into: Targets | None = None) -> PendingReply:
-        return self.request(Kind.PULL, what=f"the pull of shard {self.shard}", into=into)
+    def pull(self, worker: int, into: Targets | None = None, exact: bool = False) -> PendingReply:
+        return self.request(Kind.PULL, what=f"the pull of shard {self.shard}", into=into, exact=exact)
 
     def idle(self, worker: int) -> None:
         self.send(Kind.IDLE)

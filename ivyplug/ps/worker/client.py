@@ -427,13 +427,17 @@ class PSClient:
             raise (PSServerError(text, exc.text) if isinstance(exc, PSServerError) else type(exc)(text)) from exc
 
     def pull_initial(self) -> None:
-        """Replace this rank's params and buffers with the servers' copy (initialised from rank 0)."""
-        self._pull_all()
+        """Replace this rank's params and buffers with the servers' copy (initialised from rank 0), in fp32."""
+        self._pull_all(exact=True)
 
-    def _pull_all(self) -> None:
+    def _pull_all(self, exact: bool = False) -> None:
+        """Pull every shard; ``exact``: in fp32 over a bf16 or quantized wire too (a step's pull, replaced by the
+        next one, travels in the wire's form; a pull that stays, as at start and at ``sync()``, exact)."""
         self._check_open()
         with self._exclusive("a pull"), self._servers_named():
-            pending = [(s, ep.pull(self.rank, self._reply_targets(s))) for s, ep in self.topo.endpoints.items()]
+            pending = [
+                (s, ep.pull(self.rank, self._reply_targets(s), exact=exact)) for s, ep in self.topo.endpoints.items()
+            ]
             self._collect(pending)
         self.m.pulls += 1
         self._arm_early()
@@ -629,7 +633,7 @@ class PSClient:
                 for ep in self.topo.endpoints.values():
                     ep.idle(self.rank)
             self.workers.barrier("every worker to reach sync()")
-            self._pull_all()
+            self._pull_all(exact=True)
 
     # -- data dispatch and stop signal ----------------------------------------------------------
     def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None:
@@ -801,7 +805,7 @@ class PSClient:
         for ep in self.topo.endpoints.values():  # every value moved: the next pull travels whole
             if isinstance(ep, WireEndpoint) and ep.pulled is not None:
                 ep.pulled.forget()
-        self._pull_all()
+        self._pull_all(exact=True)
 
     # -- metrics and teardown ---------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

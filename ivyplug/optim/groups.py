@@ -46,7 +46,7 @@ def _legacy_globs(exclude: Iterable[str]) -> list[str]:
 
 def lamb_param_groups(
     model: nn.Module,
-    weight_decay: float = 0.01,
+    weight_decay: float | None = None,
     exclude: Callable[[str, nn.Parameter], bool] | Iterable[str] | None = None,
     exclude_1d: bool = True,
     *,
@@ -61,11 +61,15 @@ def lamb_param_groups(
     each: lists of regular expressions searched in the qualified name (``["bias", r"norm\\."]``), the names and the
     rule of the Keras ``LAMB``'s options. ``exclude``, a predicate ``(name, param) -> bool``, adds to both; a list
     of glob patterns there is deprecated. Groups come adapted-and-decayed first; empty groups are omitted.
+    ``weight_decay``: the decayed groups' value; ``None`` (default) leaves it to the optimizer's own
+    ``weight_decay`` (``LAMB(lamb_param_groups(model), weight_decay=0.1)`` decays by 0.1).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be a float >= 0, got {weight_decay!r}")
+    if weight_decay is not None and (
+        isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0
+    ):
+        raise ValueError(f"weight_decay must be None (the optimizer's) or a float >= 0, got {weight_decay!r}")
     decay_patterns = check_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
     layer_patterns = check_patterns("exclude_from_layer_adaptation", exclude_from_layer_adaptation)
     if exclude is None:
@@ -95,7 +99,11 @@ def lamb_param_groups(
     for (adapted, decayed), params in split.items():
         if not params:
             continue
-        group: dict[str, Any] = {"params": params, "weight_decay": float(weight_decay) if decayed else 0.0}
+        group: dict[str, Any] = {"params": params}
+        if not decayed:
+            group["weight_decay"] = 0.0
+        elif weight_decay is not None:
+            group["weight_decay"] = float(weight_decay)
         if not adapted:
             group["exclude_from_layer_adaptation"] = True
         groups.append(group)

@@ -118,3 +118,16 @@ def test_lamb_from_lightning_configure_optimizers() -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
     assert all(not torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
     assert set(opt.trust_ratios()) == set(module.parameters())
+
+
+def test_param_groups_leave_the_decay_to_the_optimizer_unless_given() -> None:
+    """``LAMB(lamb_param_groups(model), weight_decay=0.1)`` decays the adapted tensors by 0.1, not by a default of
+    the groups' own; the excluded ones stay at 0.0, and an explicit value still wins."""
+    model = _Net()
+    adapted, excluded = lamb_param_groups(model)
+    assert "weight_decay" not in adapted and excluded["weight_decay"] == 0.0
+    opt = LAMB([adapted, excluded], weight_decay=0.1)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert lamb_param_groups(model, weight_decay=0.02)[0]["weight_decay"] == 0.02
+    with pytest.raises(ValueError, match=r"weight_decay must be None \(the optimizer's\) or a float >= 0, got -1"):
+        lamb_param_groups(model, weight_decay=-1)

@@ -22,7 +22,7 @@ from ivyplug.integrations.keras import autoregister as _autoregister
 from keras import ops
 
 from ivyplug.name_patterns import check_patterns, matches_any
-from ivyplug.optim.lamb_hyper import check_flag, check_real, check_trust_bounds
+from ivyplug.optim.lamb_hyper import EPS_ALLOWED, check_flag, check_real, check_trust_bounds
 
 __all__ = ["LAMB"]
 
@@ -61,7 +61,7 @@ def _is_traced(value: Any) -> bool:
 
 def _no_op_unless(apply: Any, scalars: tuple[Any, ...]) -> tuple[Any, ...]:
     """:meth:`LAMB._step_scalars` that leave ``m``, ``v`` and ``x`` as they are where ``apply`` is false
-    (``m·1 + 0·g``, ``v·1 + 0·g²``, ``x − 0·w``; exact while ``w`` is finite, that is ``epsilon > 0``)."""
+    (``m·1 + 0·g``, ``v·1 + 0·g²``, ``x − 0·w``; exact while ``w`` is finite, as ``epsilon > 0`` keeps it)."""
     lr, c, eps, b1, one_minus_b1, b2, one_minus_b2, decay_over_c = scalars
     one, zero = ops.ones_like(b1), ops.zeros_like(b1)
     return (
@@ -153,7 +153,7 @@ class LAMB(keras.optimizers.Optimizer):
             learning_rate = check_real("learning_rate", learning_rate, "a finite float >= 0", lambda x: x >= 0)
         beta_1 = check_real("beta_1", beta_1, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
         beta_2 = check_real("beta_2", beta_2, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
-        epsilon = check_real("epsilon", epsilon, "a finite float >= 0", lambda x: x >= 0)
+        epsilon = check_real("epsilon", epsilon, EPS_ALLOWED, lambda x: x > 0)
         weight_decay = check_real("weight_decay", weight_decay, "a finite float >= 0", lambda x: x >= 0)
         check_flag("bias_correction", bias_correction)
         min_trust_ratio, max_trust_ratio = check_trust_bounds(min_trust_ratio, max_trust_ratio)
@@ -245,10 +245,9 @@ class LAMB(keras.optimizers.Optimizer):
         """JAX and PyTorch: screen the gradients, then update every variable or none.
 
         Run eagerly, a Python ``if`` on the concrete flag. Traced (``jax.jit``, ``torch.compile``), where no side
-        effect may sit in a branch: with ``epsilon > 0`` a skipped step is made a no-op through its scalars
-        (``β → 1``, ``1 − β → 0``, ``η → 0``, and the gradients read as 0), so ``m``, ``v`` and ``x``
-        keep their values exactly and the update stays one fused pass, measured faster on JAX than a branch; with
-        ``epsilon = 0`` (where ``m/√v`` may be 0/0) one ``keras.ops.cond`` over the whole step selects the values.
+        effect may sit in a branch: a skipped step is made a no-op through its scalars (``β → 1``, ``1 − β → 0``,
+        ``η → 0``, and the gradients read as 0), so ``m``, ``v`` and ``x`` keep their values exactly (``epsilon > 0``
+        keeps ``m/(√v + ε)`` finite) and the update stays one fused pass, measured faster on JAX than a branch.
         """
         grads, finite = self._screen_gradients(grads)
         traced = _is_traced(finite)
@@ -257,7 +256,7 @@ class LAMB(keras.optimizers.Optimizer):
             dtype = keras.backend.standardize_dtype(variable.dtype)
             if dtype not in scalars:
                 scalars[dtype] = self._step_scalars(dtype, learning_rate)
-                if traced and self.epsilon > 0:
+                if traced:
                     scalars[dtype] = _no_op_unless(finite, scalars[dtype])
         indices = [self._get_variable_index(v) for v in trainable_variables]
 
@@ -265,28 +264,13 @@ class LAMB(keras.optimizers.Optimizer):
             out = []
             for grad, variable in zip(grads, trainable_variables, strict=True):
                 dtype = keras.backend.standardize_dtype(variable.dtype)
-                if traced and self.epsilon > 0:  # a skipped step reads zeros (a finite g can still overflow g²)
+                if traced:  # a skipped step reads zeros (a finite g can still overflow g²)
                     grad = ops.where(finite, grad, ops.zeros_like(grad))
                 m_new, v_new, step = self._lamb_step(grad, variable, scalars[dtype])
                 out.append((m_new, v_new, ops.convert_to_tensor(variable) - step))
             return out
 
-        def unchanged() -> list[tuple[Any, Any, Any]]:
-            return [
-                (
-                    ops.convert_to_tensor(self._momentums[i]),
-                    ops.convert_to_tensor(self._velocities[i]),
-                    ops.convert_to_tensor(variable),
-                )
-                for i, variable in zip(indices, trainable_variables, strict=True)
-            ]
-
-        if not traced:
-            new_values = updated() if bool(ops.convert_to_numpy(finite)) else None
-        elif self.epsilon > 0:
-            new_values = updated()
-        else:
-            new_values = ops.cond(finite, updated, unchanged)
+        new_values = updated() if traced or bool(ops.convert_to_numpy(finite)) else None
         if new_values is not None:
             for (m_new, v_new, x_new), i, variable in zip(new_values, indices, trainable_variables, strict=True):
                 self.assign(self._momentums[i], m_new)

@@ -41,6 +41,10 @@ class LambHyper:
         return self.weight_decay >= FOLD_MIN_DECAY
 
 
+#: what LAMB's ``eps`` (Keras: ``epsilon``) may be, in both twins' refusals
+EPS_ALLOWED = "a finite float > 0 (with 0, an element whose gradients were all 0 divides 0 by 0)"
+
+
 def check_real(
     name: str, value: object, allowed: str, ok: Callable[[float], bool], *, allow_inf: bool = False
 ) -> float:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ivyplug.optim.functional import Workspace, global_grad_norm, lamb, resolve_foreach
-from ivyplug.optim.lamb_hyper import LambHyper, check_flag, check_real, check_trust_bounds
+from ivyplug.optim.lamb_hyper import EPS_ALLOWED, LambHyper, check_flag, check_real, check_trust_bounds
 
 __all__ = ["LAMB"]
 
@@ -76,7 +76,7 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
         check_real(f"betas[{i}]", b, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
-    check_real("eps", group["eps"], "a finite float >= 0", lambda x: x >= 0)
+    check_real("eps", group["eps"], EPS_ALLOWED, lambda x: x > 0)
     check_real("weight_decay", group["weight_decay"], "a finite float >= 0", lambda x: x >= 0)
     check_trust_bounds(group["min_trust_ratio"], group["max_trust_ratio"])
     for name in ("bias_correction", "exclude_from_layer_adaptation"):

@@ -519,9 +519,6 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "lamb_apply_float32": lambda tmp: lamb_apply("float32"),
     "lamb_apply_float64": lambda tmp: lamb_apply("float64"),
     "lamb_apply_compiled": lambda tmp: lamb_apply_compiled(1e-6),
-    # epsilon 0 takes the branch (keras.ops.cond) instead of the no-op scalars; one compile of torch's costs
-    # 15-20 s here, so PyTorch compiles the epsilon > 0 form only (the branch is the same code on JAX)
-    "lamb_apply_compiled_eps0": lambda tmp: None if _backend() == "torch" else lamb_apply_compiled(0.0),
     "lamb_fit_jit": lambda tmp: lamb_fit(True),
     "lamb_fit_nojit": lambda tmp: lamb_fit(False),
     "lamb_save_load": lamb_save_load,

@@ -158,8 +158,11 @@ def test_lamb_exclusions_select_the_same_layers() -> None:
     groups = torch_groups.lamb_param_groups(
         net, exclude_1d=False, exclude_from_layer_adaptation=["bias"], exclude_from_weight_decay=["head"]
     )
+    from ivyplug.optim import LAMB as TorchLAMB
+
+    groups = TorchLAMB(groups).param_groups  # a group without weight_decay takes the optimizer's
     names = {id(p): n for n, p in net.named_parameters()}
-    torch_adapt = {names[id(p)]: not g.get("exclude_from_layer_adaptation", False) for g in groups for p in g["params"]}
+    torch_adapt = {names[id(p)]: not g["exclude_from_layer_adaptation"] for g in groups for p in g["params"]}
     torch_decay = {names[id(p)]: g["weight_decay"] > 0 for g in groups for p in g["params"]}
 
     def as_torch_names(flags: dict[str, bool]) -> dict[str, bool]:
@@ -178,7 +181,8 @@ BAD_LAMB_VALUES = [
     ({"lr": float("inf")}, {"learning_rate": float("inf")}, "a finite float >= 0, got inf"),
     ({"lr": True}, {"learning_rate": True}, "a finite float >= 0, got True"),
     ({"betas": (1.0, 0.999)}, {"beta_1": 1.0}, "in [0, 1), got 1.0"),
-    ({"eps": float("nan")}, {"epsilon": float("nan")}, "a finite float >= 0, got nan"),
+    ({"eps": float("nan")}, {"epsilon": float("nan")}, "a finite float > 0 (with 0, an element whose"),
+    ({"eps": 0.0}, {"epsilon": 0.0}, "divides 0 by 0), got 0.0"),
     ({"weight_decay": -0.1}, {"weight_decay": -0.1}, "weight_decay must be a finite float >= 0, got -0.1"),
     ({"bias_correction": 1}, {"bias_correction": 1}, "bias_correction must be True or False, got 1"),
     ({"max_trust_ratio": 0.0}, {"max_trust_ratio": 0.0}, "max_trust_ratio must be a float > 0 (inf allowed), got 0.0"),

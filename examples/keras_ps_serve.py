@@ -27,8 +27,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def train(servers: str, part: int, parts: int, epochs: int, token: str | None) -> float:
-    """Fit this worker's share of digits through the servers; returns the last validation accuracy."""
+def train(servers: str, part: int, parts: int, epochs: int, token: str | None) -> tuple[float, str, float]:
+    """Fit this worker's share of digits through the servers; returns the last validation accuracy, and the name
+    and value of its pushes counter (``ivy/rank{slot}/pushes``: the slot the serve gave it)."""
     import keras
     import numpy as np
     from ivyplug.integrations.keras import AsyncLAMB, AsyncLAMBExchange
@@ -56,7 +57,8 @@ def train(servers: str, part: int, parts: int, epochs: int, token: str | None) -
         callbacks=[exchange],
         verbose=0,
     )
-    return float(history.history["val_accuracy"][-1])
+    (pushes,) = [key for key in history.history if key.endswith("/pushes")]
+    return float(history.history["val_accuracy"][-1]), pushes, float(history.history[pushes][-1])
 
 
 def demo(epochs: int) -> int:
@@ -101,8 +103,8 @@ def main() -> int:
     if args.servers is None:
         return demo(args.epochs)
     part, parts = (int(v) for v in args.part.split("/"))
-    acc = train(args.servers, part, parts, args.epochs, os.environ.get("IVYPLUG_TOKEN"))
-    print(f"worker {part}: validation accuracy {acc:.3f}", flush=True)
+    acc, key, pushes = train(args.servers, part, parts, args.epochs, os.environ.get("IVYPLUG_TOKEN"))
+    print(f"worker {part}: validation accuracy {acc:.3f} ({key} = {pushes:.0f})", flush=True)
     return 0
 
 

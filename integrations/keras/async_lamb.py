@@ -21,7 +21,9 @@ exchange left them.
 
 Where the workers meet: before validation inside ``fit`` (``on_test_begin``) and at the end of ``fit``
 every worker flushes its delta and pulls, so validation and the returned model use the global copy. In
-sync mode every exchange is a step of all workers together: give them the same steps per epoch.
+sync mode every exchange is a step of all workers together: give them the same steps per epoch. Workers that
+join an ``ivyplug serve`` each on their own (``servers=`` without ``WORLD_SIZE``) are jobs of one: they flush and
+pull at those points without meeting, so each validates the global copy as the others had pushed it by then.
 """
 
 from __future__ import annotations
@@ -351,7 +353,7 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             return
         self._period.retune()
         if logs is not None:
-            rank = self.client.rank
+            rank = self.client.worker  # its rank, or its slot of an ivyplug serve
             logs.update({f"ivy/rank{rank}/{name}": value for name, value in self.client.metrics().items()})
             logs[f"ivy/rank{rank}/sync_every"] = float(self._period.value)
             if self._overlap:

@@ -103,10 +103,11 @@ class LAMB(keras.optimizers.Optimizer):
       with ``clip_grad_norm_``'s coefficient: g ← g · min(1, max_grad_norm / (‖g‖ + 1e-6)).
     * ``exclude_from_layer_adaptation`` / ``exclude_from_weight_decay`` are lists of regular expressions, each
       searched anywhere in a variable's path (``re.search``, so ``"bias"`` matches ``"dense_1/bias"``): matching
-      variables get ratio 1 / no decay. This is the rule of Keras's own ``exclude_from_weight_decay(var_names=...)``
-      (also honoured, with ``var_list=...``, when called before the optimizer is built) and of the torch
-      ``lamb_param_groups`` options of the same names, which match qualified parameter names (``"0.bias"``). A
-      path begins with the model's name (``"sequential/dense_1/bias"``), so a ``^`` anchor means something else here.
+      variables get ratio 1 / no decay. This is the rule of the torch ``lamb_param_groups`` options of the same
+      names, which match qualified parameter names (``"0.bias"``). A path begins with the model's name
+      (``"sequential/dense_1/bias"``), so a ``^`` anchor means something else here. Keras's own
+      ``exclude_from_weight_decay(var_names=...)`` (also honoured, as ``var_list=...``, when called before the
+      optimizer is built) keeps Keras's rule: a substring of the variable's name (``"bias"``), not of its path.
     * Non-finite gradients: if any aggregated gradient holds a NaN or an infinity (or their global norm
       overflows), the whole step is skipped (no variable, moment or bias-correction step changes) and
       :attr:`skipped_steps` counts it. ``iterations`` still advances, as for every Keras optimizer; bias

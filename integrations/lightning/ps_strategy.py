@@ -519,7 +519,8 @@ class IvyPSStrategy(DDPStrategy):
             parts_list = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
             torch.distributed.all_gather(parts_list, tensor)
             return dict(enumerate(parts_list))
-        return {self.global_rank: tensor}
+        client = self._client  # one worker: its rank, or its slot of an ivyplug serve's job
+        return {client.worker if client is not None else self.global_rank: tensor}
 
     def _refuse_in_async_batch(self, what: str) -> None:
         """A user's collective inside a training batch in async/ssp would wait for workers that are elsewhere

@@ -141,6 +141,26 @@ def test_a_dropped_worker_is_refused_every_request_not_only_the_first() -> None:
         svc.close()
 
 
+def test_lone_workers_of_one_serve_are_known_by_their_slots() -> None:
+    """Two workers that join one serve each on their own are each rank 0 of a job of their own; ``worker`` (the
+    index their metrics are logged under, ``ivy/rank{worker}/...``) is the slot the serve gave each."""
+    svc = PSService(1, port=0, num_workers=2, timeout=10, status_every=None, log=lambda line: None)
+    clients: list[PSClient] = []
+    try:
+        for _ in range(2):
+            model = torch.nn.Linear(4, 2)
+            cfg = PSConfig(mode="async", servers=svc.address, timeout=10)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            clients.append(PSClient.start(cfg, list(model.named_parameters()), [], opt))
+        assert [c.rank for c in clients] == [0, 0]
+        assert [c.worker for c in clients] == [0, 1]
+    finally:
+        for c in clients:
+            with contextlib.suppress(Exception):
+                c.close()
+        svc.close()
+
+
 def test_a_client_dropped_without_close_stops_its_heartbeat() -> None:
     """A client lost without close() (a failed caller) stops its heartbeat thread once collected; before, every
     such client kept a thread and a store connection for the life of the process (the fuzz test leaked one per

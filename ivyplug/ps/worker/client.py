@@ -341,6 +341,13 @@ class PSClient:
         return self.cfg.num_servers > 0 or self.cfg.servers is not None
 
     @property
+    def worker(self) -> int:
+        """This worker's index in its job: its rank, or the slot an ``ivyplug serve`` gave it (the rank a lone
+        worker of a serve's job logs its metrics under: each is rank 0 of a job of its own)."""
+        link = self.topo.link
+        return link.slot if link is not None and link.slot >= 0 else self.rank
+
+    @property
     def num_workers(self) -> int:
         """Worker slots of the servers: the job's size, or an ``ivyplug serve``'s ``--workers``."""
         link = self.topo.link

@@ -49,6 +49,10 @@ def test_two_keras_workers_reach_93_percent_and_a_wrong_token_is_refused() -> No
             assert p.returncode == 0, out[-3000:]
         accs = [float(m) for out in outs for m in re.findall(r"validation accuracy ([0-9.]+)", out)]
         assert len(accs) == 2 and min(accs) >= 0.93, (accs, outs)
+        # each logs its counters under the slot the serve gave it (each is rank 0 of a job of its own)
+        slots = sorted(m for out in outs for m in re.findall(r"\(ivy/rank(\d)/pushes = \d+\)", out))
+        joined = sorted(re.findall(r"worker (\d) joined \(member", s.log()))
+        assert len(slots) == 2 and slots == joined, (slots, joined, outs)
         assert intruder.returncode != 0 and "PSAuthError" in bad, bad[-2000:]
         assert "wrong token" in s.log()
         assert s.log().count("left") == 2  # both finished cleanly, neither was disturbed by the refused one

@@ -116,8 +116,14 @@ def nvml_status() -> dict[str, Any]:
 
 
 def project_settings(start: Path | None = None) -> dict[str, Any]:
-    """Every settings key per section: value in effect and its source, or the error that stops it loading."""
+    """Every settings key per section: the value in effect (a built-in default's too) and its source; the error that
+    stops the section loading, or that refuses a value it holds (as ``IvyPSStrategy()`` would refuse it)."""
+    from dataclasses import fields
+
     from ivyplug import settings
+    from ivyplug.ps.config import PSConfig
+
+    builtin = {"ps": {f.name: f.default for f in fields(PSConfig)}}
 
     path = settings.find_pyproject(start)
     sections: dict[str, Any] = {}
@@ -129,9 +135,15 @@ def project_settings(start: Path | None = None) -> dict[str, Any]:
             continue
         keys: dict[str, Any] = {}
         for key in parsers:
-            value, source = values.get(key, (None, "built-in default"))
+            value, source = values.get(key, (builtin.get(section, {}).get(key), "built-in default"))
             keys[key] = {"value": value, "source": source}
         sections[section] = {"keys": keys}
+        if section == "ps":
+            unset: dict[str, Any] = dict.fromkeys(parsers)  # each from the project, as IvyPSStrategy() takes them
+            try:  # each value parses; together they must also make a configuration
+                PSConfig.from_settings(**unset)
+            except ValueError as exc:
+                sections[section]["error"] = str(exc)
     return {"pyproject": None if path is None else str(path), "sections": sections}
 
 
@@ -172,8 +184,7 @@ def _print_text(info: dict[str, Any]) -> None:
     for section, content in settings["sections"].items():
         if "error" in content:
             print(f"  [{section}] error: {content['error']}")
-            continue
-        for key, entry in content["keys"].items():
+        for key, entry in content.get("keys", {}).items():
             shown = "-" if entry["value"] is None else json.dumps(entry["value"])
             print(f"  {section}.{key:<20} {shown:<10} {entry['source']}")
 

@@ -40,7 +40,9 @@ def test_json_in_process_names_every_source(
         "value": 2,
         "source": f"{tmp_path / 'pyproject.toml'}: [tool.ivyplug.ps] num_servers",
     }
-    assert keys["nonfinite"] == {"value": None, "source": "built-in default"}
+    assert keys["nonfinite"] == {"value": "skip", "source": "built-in default"}
+    assert keys["servers"] == {"value": None, "source": "built-in default"}
+    assert "error" not in settings["sections"]["ps"]  # type: ignore[index]
     nvml = info["nvml"]
     assert isinstance(nvml["available"], bool) and (nvml["available"] or nvml["reason"])  # type: ignore[index]
 
@@ -53,6 +55,19 @@ def test_a_broken_settings_table_is_reported_with_exit_status_1(
     assert main(["env"]) == 1
     out = capsys.readouterr().out
     assert "[ps] error:" in out and "num_server" in out
+
+
+def test_a_value_the_strategy_would_refuse_is_reported_with_exit_status_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A value that parses but that no configuration takes (a negative timeout) is an error, as for a broken
+    table, naming where it was set; the values in effect are still listed."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("IVYPLUG_PS_TIMEOUT", "-3")
+    assert main(["env"]) == 1
+    out = capsys.readouterr().out
+    assert "[ps] error: PSConfig.timeout must be a finite number of seconds > 0, got -3.0" in out, out
+    assert "(set by environment variable IVYPLUG_PS_TIMEOUT)" in out and "ps.timeout" in out, out
 
 
 def test_start_up_hooks_active_installed_or_switched_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -161,6 +161,28 @@ def test_lone_workers_of_one_serve_are_known_by_their_slots() -> None:
         svc.close()
 
 
+def test_a_job_with_another_optimizer_is_refused_naming_the_optimizer() -> None:
+    """The servers run LAMB; a worker of the same model with SGD is refused for its optimizer, not for the
+    ``max_shard_bytes`` that ``"auto"`` derives from it (which differs too, and was named first)."""
+    from ivyplug.optim import LAMB
+    from ivyplug.ps.worker.service_link import PSJoinRefused
+
+    svc = PSService(2, port=0, num_workers=2, timeout=10, status_every=None, log=lambda line: None)
+    first: PSClient | None = None
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 2))
+        cfg = PSConfig(mode="async", servers=svc.address, timeout=10)
+        first = PSClient.start(cfg, list(model.named_parameters()), [], LAMB(model.parameters(), lr=0.01))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(PSJoinRefused, match=r"its optimizer class is 'torch\.optim\.SGD', the servers' 'ivyplug"):
+            PSClient.start(cfg, list(model.named_parameters()), [], sgd)
+    finally:
+        if first is not None:
+            first.close()
+        svc.close()
+
+
 def test_a_client_dropped_without_close_stops_its_heartbeat() -> None:
     """A client lost without close() (a failed caller) stops its heartbeat thread once collected; before, every
     such client kept a thread and a store connection for the life of the process (the fuzz test leaked one per

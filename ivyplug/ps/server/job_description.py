@@ -70,7 +70,8 @@ def describe(cfg: PSConfig, plan: ShardPlan, spec: OptimizerSpec) -> dict[str, A
 
 
 def _fixed(desc: dict[str, Any]) -> dict[str, Any]:
-    """The parts that must match between workers (numeric hyperparameters travel with every push)."""
+    """The parts that must match between workers (numeric hyperparameters travel with every push), in the order a
+    refusal names the first that differs: the optimizer before ``max_shard_bytes``, which "auto" derives from it."""
     opt = desc["optimizer"]
     numeric = {(g, k) for g, k, _, _ in opt["slots"]}
     groups = [
@@ -82,8 +83,8 @@ def _fixed(desc: dict[str, Any]) -> dict[str, Any]:
         "staleness": desc["staleness"],
         "staleness_scaling": desc["staleness_scaling"],
         "nonfinite": desc["nonfinite"],
-        "max_shard_bytes": desc["max_shard_bytes"],
         "optimizer class": opt["class"],
+        "max_shard_bytes": desc["max_shard_bytes"],
         "optimizer param groups (non-numeric settings)": groups,
         "optimizer's parameter-to-group map": opt["param_group"],
         "optimizer's numeric hyperparameters": [[g, k, kind, n] for g, k, kind, n in opt["slots"]],

@@ -226,7 +226,10 @@ def global_grad_norm(grads: Sequence[Tensor], workspace: Workspace | None = None
                 rest = [g for g in grads if not _compiled_tensor(g)] if len(dense) < len(grads) else []
         if rest:
             total += _cpu_sumsq(rest, workspace)
-        return torch.tensor(math.sqrt(total))
+        # in the widest of the gradients' float types, as torch's clip_grad_norm_ (a float32 norm of float64
+        # gradients rounded their clipping coefficient to ~1e-8)
+        wide = any(g.dtype == torch.float64 for g in grads)
+        return torch.tensor(math.sqrt(total), dtype=torch.float64 if wide else torch.float32)
     target = grads[0].device
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:

@@ -513,15 +513,18 @@ def test_workspace_reuses_and_grows() -> None:
     assert F._chunks([torch.zeros(3), torch.zeros(3), torch.zeros(10), torch.zeros(1)], 6) == [(0, 2), (2, 3), (3, 4)]
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
-def test_float64_params_match_reference_tightly(kernel: bool) -> None:
-    """In float64 the only differences left are rounding: 1e-10 relative after 30+ steps."""
+def test_float64_params_match_reference_tightly(kernel: bool, max_grad_norm: float | None) -> None:
+    """In float64 the only differences left are rounding: 1e-10 relative after 30+ steps, global clipping (which
+    binds here: the gradients' norm is about 8) included."""
     gen = torch.Generator().manual_seed(77)
     weight = nn.Parameter(torch.randn(9, 7, generator=gen, dtype=torch.float64))
     params = [weight, nn.Parameter(torch.zeros(7, dtype=torch.float64))]
-    opt = LAMB(params, lr=0.01, weight_decay=0.02, max_trust_ratio=5.0, foreach=kernel)
+    opt = LAMB(params, lr=0.01, weight_decay=0.02, max_trust_ratio=5.0, foreach=kernel, max_grad_norm=max_grad_norm)
     ref = RefLamb([p.detach().numpy().copy() for p in params], [RefGroup([0, 1], lr=0.01, weight_decay=0.02,
-                                                                         max_trust_ratio=5.0)])  # fmt: skip
+                                                                         max_trust_ratio=5.0)],
+                  max_grad_norm=max_grad_norm)  # fmt: skip
     for _ in range(STEPS):
         grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
         for p, g in zip(params, grads, strict=True):

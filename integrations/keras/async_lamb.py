@@ -148,7 +148,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         token: the secret the servers were started with (default ``$IVYPLUG_TOKEN``).
         wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: deltas (with error feedback) and pulled values
             cross the wire in bf16, half the bytes (also ``IVYPLUG_PS_WIRE_DTYPE``, ``[tool.ivyplug.ps]``);
-            ``"int8"`` / ``"int4"``: deltas block-quantized with error feedback, pulls in bf16.
+            ``"int8"`` / ``"int4"``: deltas block-quantized with error feedback, pulls as int8 differences from the
+            copy last pulled. The pulls at the start, before validation and at the end of ``fit`` are fp32 always.
         shared_memory: ``True`` (default): deltas and pulls between workers on one host travel in shared
             memory, only their headers over gloo (with a bf16 or int ``wire_dtype``: in fp32, in a job across
             hosts; on one host the wire stays gloo); ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY``).
@@ -157,7 +158,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     logs them with: ``ivy/rank{r}/<key>`` for every key of :meth:`ivyplug.ps.PSClient.metrics` (``pushes``,
     ``pulls``, ``staleness_mean``, ``bytes_sent``, ``nonfinite_skipped``, ...), the worker's current local steps per
     exchange ``ivy/rank{r}/sync_every`` and, with ``overlap``, ``ivy/rank{r}/overlap_wait_s``. Each Keras process
-    logs its own rank's (Lightning gathers every rank's for rank 0's loggers).
+    logs its own rank's, or, joined to an ``ivyplug serve`` on its own, its slot's (Lightning gathers every
+    rank's for rank 0's loggers).
     """
 
     def __init__(

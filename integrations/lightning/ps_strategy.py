@@ -313,6 +313,7 @@ class IvyPSStrategy(DDPStrategy):
         """No DistributedDataParallel wrapper: gradients travel through the PS."""
 
     def setup(self, trainer: Any) -> None:
+        self._failed = False  # (also after a failed run whose teardown did not run)
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -515,12 +516,14 @@ class IvyPSStrategy(DDPStrategy):
         if members is not None:
             parts = members.gather(tensor_bytes(tensor), "gathering the PS metrics")
             return {r: bytes_tensor(raw, tensor) for r, raw in parts.items()}
+        client = self._client
+        if self.world_size == 1 and client is not None:  # one worker: its rank, or its slot of an ivyplug serve's job
+            return {client.worker: tensor}
         if torch.distributed.is_available() and torch.distributed.is_initialized() and not self._after_loss("gather"):
             parts_list = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
             torch.distributed.all_gather(parts_list, tensor)
             return dict(enumerate(parts_list))
-        client = self._client  # one worker: its rank, or its slot of an ivyplug serve's job
-        return {client.worker if client is not None else self.global_rank: tensor}
+        return {self.global_rank: tensor}
 
     def _refuse_in_async_batch(self, what: str) -> None:
         """A user's collective inside a training batch in async/ssp would wait for workers that are elsewhere

@@ -117,7 +117,8 @@ def nvml_status() -> dict[str, Any]:
 
 def project_settings(start: Path | None = None) -> dict[str, Any]:
     """Every settings key per section: the value in effect (a built-in default's too) and its source; the error that
-    stops the section loading, or that refuses a value it holds (as ``IvyPSStrategy()`` would refuse it)."""
+    stops the section loading, or that refuses a value it holds (the check ``IvyPSStrategy()`` makes, in
+    ``PSConfig``'s words). The pyproject.toml is the one found from ``start`` (default: the working directory)."""
     from dataclasses import fields
 
     from ivyplug import settings
@@ -139,11 +140,11 @@ def project_settings(start: Path | None = None) -> dict[str, Any]:
             keys[key] = {"value": value, "source": source}
         sections[section] = {"keys": keys}
         if section == "ps":
-            unset: dict[str, Any] = dict.fromkeys(parsers)  # each from the project, as IvyPSStrategy() takes them
             try:  # each value parses; together they must also make a configuration
-                PSConfig.from_settings(**unset)
+                PSConfig.from_kwargs(**{key: value for key, (value, _) in values.items()})
             except ValueError as exc:
-                sections[section]["error"] = str(exc)
+                named = [source for key, (_, source) in values.items() if key in str(exc)]
+                sections[section]["error"] = f"{exc} (set by {'; '.join(named)})" if named else str(exc)
     return {"pyproject": None if path is None else str(path), "sections": sections}
 
 

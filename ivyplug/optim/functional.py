@@ -197,15 +197,17 @@ class Workspace:
 
 
 def global_grad_norm(grads: Sequence[Tensor], workspace: Workspace | None = None, kernel: str | None = None) -> Tensor:
-    """The L2 norm of all ``grads`` together (0-dim, float32 or wider, on the first grad's device).
+    """The L2 norm of all ``grads`` together (0-dim, on the first grad's device): float64 where a gradient is, as
+    torch's ``clip_grad_norm_`` (a float32 norm put float64 clipping ~1e-8 off), else float32.
 
-    Not finite when any gradient element is NaN/Inf, or when the sum of squares leaves float32's range; this is
-    how the optimizer detects a step to skip. On CPU the compiled kernel (chosen as in :func:`lamb`) sums the
-    contiguous float32 gradients in one multi-threaded pass; otherwise a ``workspace`` lets small gradients be
-    stacked into a scratch buffer and summed in one call.
+    Not finite when any gradient element is NaN/Inf, or when the sum of squares of the float32 ones leaves
+    float32's range (of float64 ones, float64's); this is how the optimizer detects a step to skip. On CPU the
+    compiled kernel (chosen as in :func:`lamb`) sums the contiguous float32 gradients in one multi-threaded pass;
+    otherwise a ``workspace`` lets small gradients be stacked into a scratch buffer and summed in one call.
     """
     if not grads:
         return torch.zeros(())
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     if all(g.is_cpu for g in grads):
         total = 0.0
         rest: Sequence[Tensor] = grads
@@ -226,10 +228,7 @@ def global_grad_norm(grads: Sequence[Tensor], workspace: Workspace | None = None
                 rest = [g for g in grads if not _compiled_tensor(g)] if len(dense) < len(grads) else []
         if rest:
             total += _cpu_sumsq(rest, workspace)
-        # in the widest of the gradients' float types, as torch's clip_grad_norm_ (a float32 norm of float64
-        # gradients rounded their clipping coefficient to ~1e-8)
-        wide = any(g.dtype == torch.float64 for g in grads)
-        return torch.tensor(math.sqrt(total), dtype=torch.float64 if wide else torch.float32)
+        return torch.tensor(math.sqrt(total), dtype=wide)
     target = grads[0].device
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
@@ -237,7 +236,7 @@ def global_grad_norm(grads: Sequence[Tensor], workspace: Workspace | None = None
     partial = []
     for dev_grads in by_device.values():
         norms = torch._foreach_norm(dev_grads)
-        partial.append(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).to(target))
+        partial.append(torch.linalg.vector_norm(torch.stack([n.to(wide) for n in norms])).to(target))
     return torch.linalg.vector_norm(torch.stack(partial))
 
 

@@ -177,6 +177,9 @@ class LAMB(torch.optim.Optimizer):
         sd = dict(state_dict)
         skipped = int(sd.pop("skipped_steps", 0))
         saved_groups = sd.get("param_groups")
+        for saved in saved_groups if isinstance(saved_groups, list) else []:
+            if isinstance(saved, dict) and "eps" in saved:  # a state saved when eps=0 was still taken
+                check_real("eps", saved["eps"], f"{EPS_ALLOWED} in a loaded state", lambda x: x > 0)
         if isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
             sd["param_groups"] = [
                 {**{k: group[k] for k in _GROUP_DEFAULTS if k in group}, **saved} if isinstance(saved, dict) else saved

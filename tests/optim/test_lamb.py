@@ -549,3 +549,19 @@ def test_bfloat16_and_mixed_dtypes_step(kernel: bool) -> None:
     assert w16.dtype == torch.bfloat16 and opt.state[w16]["exp_avg"].dtype == torch.bfloat16
     assert not torch.equal(w16, before[0]) and not torch.equal(w32, before[1])
     assert all(math.isfinite(r) and r > 0 for r in opt.trust_ratios().values())
+
+
+def test_eps_zero_is_refused_in_the_constructor_and_in_a_loaded_state() -> None:
+    """eps=0 makes m/sqrt(v) 0/0 where every gradient of an element was 0: NaN weights at the first step (the
+    control below), so it is refused, also from a state saved when it was still taken."""
+    p = nn.Parameter(torch.ones(4))
+    with pytest.raises(ValueError, match=r"^eps must be a finite float > 0 \(with 0, an element whose gradients"):
+        LAMB([p], eps=0.0)
+    g = torch.tensor([1.0, 0.0, 2.0, 0.0])  # two elements never get a gradient
+    m_hat, v_hat = g, g * g  # after the first step, bias-corrected
+    assert torch.isnan(m_hat / (v_hat.sqrt() + 0.0)).sum() == 2  # what eps=0 would make of them
+    opt = LAMB([p])
+    saved = opt.state_dict()
+    saved["param_groups"][0]["eps"] = 0.0
+    with pytest.raises(ValueError, match=r"^eps must be a finite float > 0 .* in a loaded state, got 0.0"):
+        LAMB([p]).load_state_dict(saved)

@@ -154,13 +154,15 @@ def test_against_ivyplug_serve_the_server_applies_the_decoded_push_with_error_fe
     gen = torch.Generator().manual_seed(12)
     shape = (200, 100)
     init = torch.randn(shape, generator=gen)
-    runs: dict[str, tuple[list[torch.Tensor], dict[str, Any]]] = {}
+    runs: dict[str, tuple[list[torch.Tensor], torch.Tensor | None, dict[str, Any]]] = {}
     with serve("--shards", "1", "--workers", "1", "--token", "t0ken") as s:
         for wire in ("float32", "int8", "int4"):
             grads = [torch.randn(shape, generator=gen) for _ in range(3)]
-            runs[wire] = (grads, _serve_run(s.address, wire, init if wire == "float32" else torch.zeros(shape), grads))
+            later = None if wire == "float32" else torch.randn(shape, generator=gen)
+            start = init if wire == "float32" else torch.zeros(shape)
+            runs[wire] = (grads, later, _serve_run(s.address, wire, start, grads, later))
     master = init.numpy().astype(np.float32)
-    for wire, (grads, run) in runs.items():
+    for wire, (grads, later, run) in runs.items():
         if wire == "float32":
             expect = [master]
             for g in grads:
@@ -184,13 +186,21 @@ def test_against_ivyplug_serve_the_server_applies_the_decoded_push_with_error_fe
                 else:  # then the quantized difference from the copy, which both ends move by it
                     copy = (copy + pulls((master - copy).astype(np.float32)).reshape(shape)).astype(np.float32)
                 expect.append(copy)
+            # sync()'s pull is the master, exact; neither end moves its copy for it, so the next step's pull is
+            # the difference from the copy held before it
+            torch.testing.assert_close(run["synced"], torch.from_numpy(master), rtol=0, atol=0, msg=f"{wire} sync")
+            assert later is not None and copy is not None
+            x = later.numpy().reshape(-1) + carried
+            master = (master - pushes(x).reshape(shape)).astype(np.float32)
+            copy = (copy + pulls((master - copy).astype(np.float32)).reshape(shape)).astype(np.float32)
+            torch.testing.assert_close(run["pulled_later"], torch.from_numpy(copy), rtol=0, atol=0, msg=wire)
         for step, (got, want) in enumerate(zip(run["pulled"], expect, strict=True)):
             torch.testing.assert_close(got, torch.from_numpy(want), rtol=0, atol=0, msg=f"{wire} pull {step}")
         assert run["counter"] == 2**40 + 3
-    fp32 = runs["float32"][1]["traffic"]
+    fp32 = runs["float32"][2]["traffic"]
     for wire, (low, high) in (("int8", (0.25, 0.27)), ("int4", (0.13, 0.15))):
-        sent = runs[wire][1]["traffic"]["bytes_sent"] / fp32["bytes_sent"]
-        received = runs[wire][1]["traffic"]["bytes_received"] / fp32["bytes_received"]
+        sent = runs[wire][2]["traffic"]["bytes_sent"] / fp32["bytes_sent"]
+        received = runs[wire][2]["traffic"]["bytes_received"] / fp32["bytes_received"]
         assert low <= sent <= high, (wire, sent)
         # the steps' three pulls: one whole in bf16, then two int8 differences as small as int8 pushes
         assert 0.33 <= received <= 0.35, (wire, received)

@@ -183,6 +183,39 @@ def test_a_job_with_another_optimizer_is_refused_naming_the_optimizer() -> None:
         svc.close()
 
 
+def test_an_aborted_worker_leaves_at_once_and_its_slot_is_freed_for_its_silence() -> None:
+    """``abort()`` (a failed fit's close) says no goodbye and waits for nothing: it returns at once, its heartbeat
+    stops, so the serve drops the worker for its silence and a new worker gets its slot; ``close()`` after it does
+    nothing."""
+    lines: list[str] = []
+    svc = PSService(1, port=0, num_workers=1, timeout=4, status_every=None, log=lines.append)
+    clients: list[PSClient] = []
+    try:
+        for _ in range(2):
+            model = torch.nn.Linear(4, 2)
+            cfg = PSConfig(mode="async", servers=svc.address, timeout=4)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            clients.append(PSClient.start(cfg, list(model.named_parameters()), [], opt))
+            if len(clients) == 1:
+                link = clients[0].topo.link
+                assert link is not None and link.heartbeat is not None
+                start = time.monotonic()
+                clients[0].abort()
+                assert time.monotonic() - start < 2.0
+                assert clients[0].closed and link.heartbeat.stopped.is_set()
+                clients[0].close()  # nothing left to do
+                deadline = time.monotonic() + 15
+                while not any("no heartbeat" in line for line in lines) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert any("worker 0 is gone: no heartbeat" in line for line in lines), lines
+        assert clients[1].worker == 0  # the one slot, free again
+    finally:
+        for c in clients:
+            with contextlib.suppress(Exception):
+                c.close()
+        svc.close()
+
+
 def test_a_client_dropped_without_close_stops_its_heartbeat() -> None:
     """A client lost without close() (a failed caller) stops its heartbeat thread once collected; before, every
     such client kept a thread and a store connection for the life of the process (the fuzz test leaked one per

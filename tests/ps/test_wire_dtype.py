@@ -190,8 +190,11 @@ def test_a_finite_gradient_beyond_bf16s_range_counts_as_nonfinite() -> None:
 
 
 # -- a real wire: a worker of this process against ivyplug serve ------------------------------------------
-def _serve_run(address: str, wire: str, init: torch.Tensor, grads: list[torch.Tensor]) -> dict[str, Any]:
-    """Join the serve, pull, push ``grads`` (SGD lr 1 on the server); the pulls, the buffer and the traffic."""
+def _serve_run(
+    address: str, wire: str, init: torch.Tensor, grads: list[torch.Tensor], later: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """Join the serve, pull, push ``grads`` (SGD lr 1 on the server), ``sync()``, then push ``later`` (if given);
+    the pulls (``later``'s as ``pulled_later``), the buffer and the traffic up to the sync."""
     w = nn.Parameter(init.clone())
     counter = torch.tensor([2**40 + 3], dtype=torch.int64)  # an integer buffer: must travel exactly
     cfg = PSConfig(mode="async", servers=address, token="t0ken", wire_dtype=wire, timeout=60.0)
@@ -207,10 +210,20 @@ def _serve_run(address: str, wire: str, init: torch.Tensor, grads: list[torch.Te
         after = client.metrics()
         client.sync()  # a pull that stays (validation, a checkpoint, the returned model)
         synced = w.detach().clone()
+        if later is not None:  # a step after it: its pull in the wire's form again
+            w.grad = later.clone()
+            client.step(1)
+        pulled_later = w.detach().clone()
     finally:
         client.close()
     traffic = {k: after[k] - before[k] for k in ("bytes_sent", "bytes_received")}
-    return {"pulled": pulled, "synced": synced, "counter": int(counter), "traffic": traffic}
+    return {
+        "pulled": pulled,
+        "synced": synced,
+        "pulled_later": pulled_later,
+        "counter": int(counter),
+        "traffic": traffic,
+    }
 
 
 @pytest.mark.timeout(120)
@@ -227,7 +240,8 @@ def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_ha
     grads16 = [torch.randn(200, 100, generator=gen) for _ in range(2)]
     with serve("--shards", "1", "--workers", "1", "--token", "t0ken") as s:
         r32 = _serve_run(s.address, "float32", init, grads32)
-        r16 = _serve_run(s.address, "bfloat16", torch.zeros_like(init), grads16)  # continues the job
+        later = torch.randn(200, 100, generator=gen)
+        r16 = _serve_run(s.address, "bfloat16", torch.zeros_like(init), grads16, later)  # continues the job
     master = init.numpy().astype(np.float32)
     expect32 = [master]
     for g in grads32:
@@ -243,6 +257,8 @@ def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_ha
         assert run["counter"] == 2**40 + 3
     torch.testing.assert_close(r16["synced"], torch.from_numpy(master), rtol=0, atol=0)
     assert not torch.equal(r16["pulled"][-1], r16["synced"])  # the control: a step's pull in bf16 is not the master
+    after_sync = (master - ref_bf16(later.numpy())).astype(np.float32)  # and a step after sync() pulls bf16 again
+    torch.testing.assert_close(r16["pulled_later"], torch.from_numpy(ref_bf16(after_sync)), rtol=0, atol=0)
     # the control: the same fp32 steps through the bf16 wire would not give the fp32 pulls
     assert not torch.equal(torch.from_numpy(ref_bf16(expect32[-1])), r32["pulled"][-1])
     for key in ("bytes_sent", "bytes_received"):

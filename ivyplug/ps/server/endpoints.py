@@ -266,7 +266,7 @@ class WireEndpoint:
         #: (wire/codecs.py BlockCodec)
         self.block: BlockCodec | None = None
         #: set with :attr:`block`: pulls travel as the quantized difference from the copy both ends keep
-        #: (wire/codecs.py PulledCopy), the first one in bf16
+        #: (wire/codecs.py PulledCopy), the first one in bf16 (an exact pull, ``pull(exact=True)``, leaves it alone)
         self.pulled: PulledCopy | None = None
         #: set (fp32 wire): pushes and pulls travel cut so, large tensors in place (wire/segments.py)
         self.segments: list[Segment] | None = None

@@ -165,8 +165,9 @@ class PulledCopy:
     """The copy of a shard's parameters one worker holds, kept alike at both ends, so that pulls can travel as
     int8 block-quantized differences from it (``PSConfig.wire_dtype="int8"`` / ``"int4"``; :data:`PULL_BITS`).
 
-    A worker's first pull (and its first after a restore) travels in bf16, and both ends keep its decoded
-    parameters as the copy ``c``. Every later pull travels as ``q = Q(x − c)`` (:class:`BlockCodec`, no carried
+    A step's first pull after the start (and after a restore) travels in bf16, and both ends keep its decoded
+    parameters as the copy ``c`` (the start's own pull, ``sync()``'s and a restore's are exact fp32, and leave
+    ``c`` alone at both ends). Every later pull travels as ``q = Q(x − c)`` (:class:`BlockCodec`, no carried
     residual; the buffers, its tail, travel as plain fp32) and both ends set ``c ← c + D(q)``: the server in
     :meth:`encode`, the worker in :meth:`decode`, with the same decoded values, so the two copies stay equal
     bit for bit. What rounding leaves out of one difference stays in ``x − c`` and travels with the next, so

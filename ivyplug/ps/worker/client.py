@@ -58,6 +58,8 @@ LINK_PROBE_BYTES = 4 << 20
 #: in sync mode. Measured on two emulated hosts: splitting took sync from 1.75x to 1.07x DDP's epoch at 100 Mbit/s
 #: and from 1.61x to 1.15x at 1 Gbit/s, and from 1.12x to 1.39x on an unlimited link
 SPLIT_BELOW_BYTES_PER_S = 200e6
+#: seconds :meth:`PSClient.abort` waits for a request in flight on another thread before it leaves without it
+ABORT_LOCK_WAIT_S = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -853,19 +855,35 @@ class PSClient:
 
     def abort(self) -> None:
         """Close after this worker failed: no goodbye and no wait for the other ranks, so that the error this worker
-        stopped with is the one raised, at once. The others learn of it when this process's connections close (a
-        dead peer), or from its silence (an ``ivyplug serve``'s heartbeat bound); its server processes, if any, are
-        killed. Idempotent; a later :meth:`close` does nothing."""
+        stopped with is the one raised, at once. Its co-located shard fails (a peer's request to it gets an error
+        reply naming this rank); the others learn of it then, when this process's connections close (a dead peer),
+        or from its silence (an ``ivyplug serve``'s heartbeat bound); its server processes, if any, are killed.
+        Idempotent; a later :meth:`close` does nothing."""
         if self.closed:
             return
         self._failed = True
-        if not self._lock.acquire(timeout=self.cfg.timeout):  # a request still in flight on another thread
-            self.closed = True  # its failure ends it; nothing more to wait for here
+        if self.topo.local is not None:
+            self.topo.local.fail(PSProtocolError(f"rank {self.rank} failed and left the PS"))
+        # a request in flight on another thread (an overlapped exchange) ends with the failure: not waited for long
+        if not self._lock.acquire(timeout=min(ABORT_LOCK_WAIT_S, self.cfg.timeout)):
+            self.closed = True
+            self.stop_early_pushes()
+            self._end_processes_and_heartbeats()  # the groups stay to the process's end: that request uses them
             return
         try:
             self._close()
         finally:
             self._lock.release()
+
+    def _end_processes_and_heartbeats(self) -> None:
+        """Kill the server processes still alive and stop the heartbeats: the goodbye is said (or cannot be)."""
+        for p in self.topo.server_procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for link in [self.topo.link, *self.topo.others]:
+            if link is not None and link.heartbeat is not None:
+                link.heartbeat.stop()
 
     def _close(self) -> None:
         if self.closed:
@@ -914,15 +932,13 @@ class PSClient:
         except BaseException as exc:
             err = exc
         finally:
-            for p in topo.server_procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-            for link in [topo.link, *(other for other in topo.others)]:
-                if link is not None and link.heartbeat is not None:  # the goodbye is said (or cannot be)
-                    link.heartbeat.stop()
+            self._end_processes_and_heartbeats()
         if err is not None:
             raise err
+        if self._failed and any(loop.is_alive() for loop in topo.loops):
+            # without a goodbye this rank's server loops still receive on the PS groups (answering with its shard's
+            # failure): a group is not destroyed under a receiving thread; they go with the process
+            return
         if topo.owns_p2p_group:
             for group in topo.p2p_groups:
                 dist.destroy_process_group(group)

@@ -107,3 +107,30 @@ def test_bf16_fit_then_validate_test_predict_and_weights_only_refusal(tmp_path: 
     resumed = quiet_trainer(IvyPSStrategy(mode="sync"), devices=1, max_epochs=2)
     with pytest.raises(ValueError, match="weights-only checkpoint"):
         resumed.fit(DigitsMLP(hidden=32, train_size=256), ckpt_path=weights_only)
+
+
+def test_a_one_device_worker_of_an_ivyplug_serve_logs_its_counters_under_its_slot() -> None:
+    """Slot 0 of a serve is held by another worker of the job; a one-device Lightning fit that joins takes slot 1 and
+    logs ``ivy/rank1/...`` (each lone worker is rank 0 of a job of its own: it logged ``ivy/rank0/...``)."""
+    from ivyplug.ps import PSClient, PSConfig
+    from ivyplug.ps.server.service import PSService
+
+    svc = PSService(2, port=0, num_workers=2, timeout=30, status_every=None, log=lambda line: None)
+    holder: PSClient | None = None
+    try:
+        seed_everything(0)
+        model = DigitsMLP(hidden=32, lr=0.05, train_size=256, batch_size=32)
+        cfg = PSConfig(mode="async", servers=svc.address, timeout=30)
+        holder = PSClient.start(cfg, list(model.named_parameters()), [], model.configure_optimizers())
+        assert holder.worker == 0
+        trainer = quiet_trainer(
+            IvyPSStrategy(mode="async", servers=svc.address, timeout=30), devices=1, max_epochs=1, limit_val_batches=0
+        )
+        trainer.fit(model)
+        keys = {k for k in trainer.callback_metrics if k.endswith("/pushes")}
+        assert keys == {"ivy/rank1/pushes"}, keys
+        assert float(trainer.callback_metrics["ivy/rank1/pushes"]) == 8.0
+    finally:
+        if holder is not None:
+            holder.close()
+        svc.close()

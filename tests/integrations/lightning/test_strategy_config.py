@@ -146,6 +146,8 @@ def test_nonfinite_policy_from_argument_environment_and_pyproject(
     assert IvyPSStrategy(nonfinite="raise").ps_config.nonfinite == "raise"  # an argument beats both
     with pytest.raises(ValueError, match=r"^IvyPSStrategy: nonfinite must be one of \('skip', 'raise'\), got 'drop'$"):
         IvyPSStrategy(nonfinite="drop")
+    with pytest.raises(ValueError, match=r"^IvyPSStrategy: servers='h:1' joins an ivyplug serve; num_servers=2"):
+        IvyPSStrategy(servers="h:1", num_servers=2)  # a message that began "PSConfig: " names the strategy once
     monkeypatch.setenv("IVYPLUG_PS_TIMEOUT", "0")  # a project value refused: the caller and where it was set
     with pytest.raises(ValueError, match=r"^IvyPSStrategy: timeout must be .*, got 0.0 \(set by environment variable"):
         IvyPSStrategy()

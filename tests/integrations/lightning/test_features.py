@@ -24,7 +24,9 @@ def test_lr_find_best_checkpoint_and_swa_work_under_the_ps(tmp_path: Path) -> No
     assert a0["lrs"] == a1["lrs"] == 20, (a0, a1)  # lr_find read its own callback's 20 rates
     assert a0["lr"] == a1["lr"] != 1e-3, (a0, a1)  # its suggestion, the same on both ranks
     # each rank counted its own steps, but both know rank 0's checkpoints and tested its best one
-    assert a0["steps"] > a1["steps"], (a0, a1)  # the names differ (rank 1 is slower)
+    # the names differ: rank 1 sleeps at each step, so it trains fewer of the dispatched batches (on a loaded
+    # machine rank 0 can be the slower one after all: 18 against 22 steps once, with tests running beside)
+    assert a0["steps"] != a1["steps"], (a0, a1)
     assert a0["best"] == a1["best"] == a0["tested"] == a1["tested"] and Path(a0["best"]).is_file(), (a0, a1)
     assert a0["checksum"] == a1["checksum"] and a0["test_acc"] > 0.5, (a0, a1)
     for r in (0, 1):

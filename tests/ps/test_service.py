@@ -141,24 +141,31 @@ def test_a_dropped_worker_is_refused_every_request_not_only_the_first() -> None:
         svc.close()
 
 
+def _lone_worker(address: str, timeout: float) -> PSClient:
+    """A worker of a small linear model (SGD) that joins the serve at ``address`` on its own."""
+    model = torch.nn.Linear(4, 2)
+    cfg = PSConfig(mode="async", servers=address, timeout=timeout)
+    return PSClient.start(cfg, list(model.named_parameters()), [], torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _close_all(clients: list[PSClient], svc: PSService) -> None:
+    for c in clients:
+        with contextlib.suppress(Exception):
+            c.close()
+    svc.close()
+
+
 def test_lone_workers_of_one_serve_are_known_by_their_slots() -> None:
     """Two workers that join one serve each on their own are each rank 0 of a job of their own; ``worker`` (the
     index their metrics are logged under, ``ivy/rank{worker}/...``) is the slot the serve gave each."""
     svc = PSService(1, port=0, num_workers=2, timeout=10, status_every=None, log=lambda line: None)
     clients: list[PSClient] = []
     try:
-        for _ in range(2):
-            model = torch.nn.Linear(4, 2)
-            cfg = PSConfig(mode="async", servers=svc.address, timeout=10)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            clients.append(PSClient.start(cfg, list(model.named_parameters()), [], opt))
+        clients += [_lone_worker(svc.address, 10), _lone_worker(svc.address, 10)]
         assert [c.rank for c in clients] == [0, 0]
         assert [c.worker for c in clients] == [0, 1]
     finally:
-        for c in clients:
-            with contextlib.suppress(Exception):
-                c.close()
-        svc.close()
+        _close_all(clients, svc)
 
 
 def test_a_job_with_another_optimizer_is_refused_naming_the_optimizer() -> None:
@@ -191,29 +198,22 @@ def test_an_aborted_worker_leaves_at_once_and_its_slot_is_freed_for_its_silence(
     svc = PSService(1, port=0, num_workers=1, timeout=4, status_every=None, log=lines.append)
     clients: list[PSClient] = []
     try:
-        for _ in range(2):
-            model = torch.nn.Linear(4, 2)
-            cfg = PSConfig(mode="async", servers=svc.address, timeout=4)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            clients.append(PSClient.start(cfg, list(model.named_parameters()), [], opt))
-            if len(clients) == 1:
-                link = clients[0].topo.link
-                assert link is not None and link.heartbeat is not None
-                start = time.monotonic()
-                clients[0].abort()
-                assert time.monotonic() - start < 2.0
-                assert clients[0].closed and link.heartbeat.stopped.is_set()
-                clients[0].close()  # nothing left to do
-                deadline = time.monotonic() + 15
-                while not any("no heartbeat" in line for line in lines) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                assert any("worker 0 is gone: no heartbeat" in line for line in lines), lines
+        clients.append(_lone_worker(svc.address, 4))
+        link = clients[0].topo.link
+        assert link is not None and link.heartbeat is not None
+        start = time.monotonic()
+        clients[0].abort()
+        assert time.monotonic() - start < 2.0
+        assert clients[0].closed and link.heartbeat.stopped.is_set()
+        clients[0].close()  # nothing left to do
+        deadline = time.monotonic() + 15
+        while not any("no heartbeat" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any("worker 0 is gone: no heartbeat" in line for line in lines), lines
+        clients.append(_lone_worker(svc.address, 4))
         assert clients[1].worker == 0  # the one slot, free again
     finally:
-        for c in clients:
-            with contextlib.suppress(Exception):
-                c.close()
-        svc.close()
+        _close_all(clients, svc)
 
 
 def test_a_client_dropped_without_close_stops_its_heartbeat() -> None:

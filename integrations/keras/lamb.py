@@ -22,7 +22,7 @@ from ivyplug.integrations.keras import autoregister as _autoregister
 from keras import ops
 
 from ivyplug.name_patterns import check_patterns, matches_any
-from ivyplug.optim.lamb_hyper import EPS_ALLOWED, check_flag, check_real, check_trust_bounds
+from ivyplug.optim.lamb_hyper import check_eps, check_flag, check_real, check_trust_bounds
 
 __all__ = ["LAMB"]
 
@@ -154,7 +154,7 @@ class LAMB(keras.optimizers.Optimizer):
             learning_rate = check_real("learning_rate", learning_rate, "a finite float >= 0", lambda x: x >= 0)
         beta_1 = check_real("beta_1", beta_1, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
         beta_2 = check_real("beta_2", beta_2, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
-        epsilon = check_real("epsilon", epsilon, EPS_ALLOWED, lambda x: x > 0)
+        epsilon = check_eps("epsilon", epsilon)
         weight_decay = check_real("weight_decay", weight_decay, "a finite float >= 0", lambda x: x >= 0)
         check_flag("bias_correction", bias_correction)
         min_trust_ratio, max_trust_ratio = check_trust_bounds(min_trust_ratio, max_trust_ratio)

@@ -122,7 +122,7 @@ def project_settings(start: Path | None = None) -> dict[str, Any]:
     from dataclasses import fields
 
     from ivyplug import settings
-    from ivyplug.ps.config import PSConfig
+    from ivyplug.ps.config import PSConfig, naming_sources
 
     builtin = {"ps": {f.name: f.default for f in fields(PSConfig)}}
 
@@ -143,8 +143,8 @@ def project_settings(start: Path | None = None) -> dict[str, Any]:
             try:  # each value parses; together they must also make a configuration
                 PSConfig.from_kwargs(**{key: value for key, (value, _) in values.items()})
             except ValueError as exc:
-                named = [source for key, (_, source) in values.items() if key in str(exc)]
-                sections[section]["error"] = f"{exc} (set by {'; '.join(named)})" if named else str(exc)
+                sources = {key: source for key, (_, source) in values.items()}
+                sections[section]["error"] = naming_sources(str(exc), sources)
     return {"pyproject": None if path is None else str(path), "sections": sections}
 
 

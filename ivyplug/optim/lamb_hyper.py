@@ -41,10 +41,6 @@ class LambHyper:
         return self.weight_decay >= FOLD_MIN_DECAY
 
 
-#: what LAMB's ``eps`` (Keras: ``epsilon``) may be, in both twins' refusals
-EPS_ALLOWED = "a finite float > 0 (with 0, an element whose gradients were all 0 divides 0 by 0)"
-
-
 def check_real(
     name: str, value: object, allowed: str, ok: Callable[[float], bool], *, allow_inf: bool = False
 ) -> float:
@@ -56,6 +52,12 @@ def check_real(
     if math.isnan(number) or (math.isinf(number) and not allow_inf) or not ok(number):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return number
+
+
+def check_eps(name: str, value: object, where: str = "") -> float:
+    """LAMB's ``eps`` (Keras: ``epsilon``), in both twins and in a loaded state (``where``): a finite float > 0."""
+    allowed = f"a finite float > 0 (with 0, an element whose gradients were all 0 divides 0 by 0){where}"
+    return check_real(name, value, allowed, lambda x: x > 0)
 
 
 def check_flag(name: str, value: object) -> bool:

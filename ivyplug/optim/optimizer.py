@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ivyplug.optim.functional import Workspace, global_grad_norm, lamb, resolve_foreach
-from ivyplug.optim.lamb_hyper import EPS_ALLOWED, LambHyper, check_flag, check_real, check_trust_bounds
+from ivyplug.optim.lamb_hyper import LambHyper, check_eps, check_flag, check_real, check_trust_bounds
 
 __all__ = ["LAMB"]
 
@@ -76,7 +76,7 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
         check_real(f"betas[{i}]", b, "in [0, 1)", lambda x: 0.0 <= x < 1.0)
-    check_real("eps", group["eps"], EPS_ALLOWED, lambda x: x > 0)
+    check_eps("eps", group["eps"])
     check_real("weight_decay", group["weight_decay"], "a finite float >= 0", lambda x: x >= 0)
     check_trust_bounds(group["min_trust_ratio"], group["max_trust_ratio"])
     for name in ("bias_correction", "exclude_from_layer_adaptation"):
@@ -179,7 +179,7 @@ class LAMB(torch.optim.Optimizer):
         saved_groups = sd.get("param_groups")
         for saved in saved_groups if isinstance(saved_groups, list) else []:
             if isinstance(saved, dict) and "eps" in saved:  # a state saved when eps=0 was still taken
-                check_real("eps", saved["eps"], f"{EPS_ALLOWED} in a loaded state", lambda x: x > 0)
+                check_eps("eps", saved["eps"], " in a loaded state")
         if isinstance(saved_groups, list) and len(saved_groups) == len(self.param_groups):
             sd["param_groups"] = [
                 {**{k: group[k] for k in _GROUP_DEFAULTS if k in group}, **saved} if isinstance(saved, dict) else saved

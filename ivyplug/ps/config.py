@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -176,10 +177,7 @@ class PSConfig:
         except ValueError as exc:
             own = str(exc).replace(f"{cls.__name__}: ", "").replace(f"{cls.__name__}.", "")
             text = str(exc) if caller == cls.__name__ else f"{caller}: {own}"
-            # a project value refused: say where it was set, as the code never named it
-            sources = [where for key, where in taken.items() if re.search(rf"\b{key}\b", text)]
-            if sources:
-                text = f"{text} (set by {'; '.join(sources)})"
+            text = naming_sources(text, taken)  # a project value refused: the code never named it
             if text == str(exc):
                 raise
             raise ValueError(text) from None
@@ -189,6 +187,12 @@ class PSConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["token"] = None if self.token is None else "<set>"
         return out
+
+
+def naming_sources(refusal: str, sources: Mapping[str, str]) -> str:
+    """``refusal`` followed by where the settings it names were set (``sources``: key -> where), if any."""
+    named = [where for key, where in sources.items() if re.search(rf"\b{key}\b", refusal)]
+    return f"{refusal} (set by {'; '.join(named)})" if named else refusal
 
 
 def parse_address(value: object, what: str) -> tuple[str, int]:

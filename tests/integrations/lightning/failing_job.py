@@ -1,7 +1,7 @@
-"""A popen-launched 2-rank fit whose ``training_step`` raises on some ranks; each rank writes what ``fit`` raised.
+"""A popen-launched 2-rank fit whose ``training_step`` raises on one rank; each rank writes what ``fit`` raised.
 
-``python failing_job.py OUT MODE WHO``: MODE ``sync`` or ``async``; WHO ``all`` (every rank raises at its batch
-3) or a rank number (only that rank does). Each rank that gets to its ``except`` writes OUT/raised_rank{r}.json:
+``python failing_job.py OUT MODE RANK``: MODE ``sync`` or ``async``; RANK the rank that raises, at its batch 3.
+Each rank that gets to its ``except`` writes OUT/raised_rank{r}.json:
 the type and text of the exception ``fit`` raised and the seconds from the failing batch to there.
 """
 
@@ -24,23 +24,23 @@ TIMEOUT_S = 60.0
 
 
 class UserBug(DigitsMLP):
-    """``training_step`` raises a ``ValueError`` at batch :data:`FAIL_AT` on the ranks ``who`` names."""
+    """``training_step`` raises a ``ValueError`` at batch :data:`FAIL_AT` on rank ``failing``."""
 
     failed_at = 0.0
 
-    def __init__(self, who: str) -> None:
+    def __init__(self, failing: int) -> None:
         super().__init__(lr=0.05)
-        self.who = who
+        self.failing = failing
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if batch_idx == FAIL_AT and self.who in ("all", str(self.global_rank)):
+        if batch_idx == FAIL_AT and self.global_rank == self.failing:
             UserBug.failed_at = time.monotonic()
             raise ValueError(f"a user's bug on rank {self.global_rank}")
         return super().training_step(batch, batch_idx)
 
 
 def main() -> None:
-    out, mode, who = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    out, mode, failing = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -53,7 +53,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     try:
-        trainer.fit(UserBug(who))
+        trainer.fit(UserBug(failing))
     except BaseException as exc:
         seconds = time.monotonic() - UserBug.failed_at if UserBug.failed_at else None
         raised = {"type": type(exc).__name__, "text": str(exc), "seconds": seconds}

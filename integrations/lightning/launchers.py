@@ -24,6 +24,9 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException
 
 log = logging.getLogger(__name__)
 
+CHILD_EXIT_GRACE_S = 5.0
+"""After rank 0 fails under the popen launcher: how long the other ranks get to end on their own before being killed."""
+
 
 def destroy_default_group() -> None:
     """Destroy torch.distributed's default group, if there is one.
@@ -37,6 +40,8 @@ def destroy_default_group() -> None:
 
 class _CheckingStrategy(Protocol):
     def check_fit_configuration(self, trainer: Any, model: Any) -> None: ...
+
+    def abort_ps(self) -> None: ...
 
     @property
     def tolerates_worker_loss(self) -> bool: ...
@@ -119,8 +124,20 @@ class CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
         except BaseException:
             # Lightning ends the other ranks only on KeyboardInterrupt; after any other failure of rank 0
             # (e.g. its port is taken) they would wait for it until the process-group timeout
-            self.kill(_get_sigkill_signal())
+            self._ivy_strategy.abort_ps()
+            self._end_children()
             raise
+
+    def _end_children(self, grace: float = CHILD_EXIT_GRACE_S) -> None:
+        """Kill the other ranks, after up to ``grace`` seconds for those already failing to end on their own: rank 0
+        often fails *because* another rank did (its shard failed), and killing that rank at once would lose its
+        traceback, the user's error."""
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(_get_sigkill_signal())
 
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):

@@ -431,6 +431,13 @@ class IvyPSStrategy(DDPStrategy):
         super().on_exception(exception)
         self._failed = True
 
+    def abort_ps(self) -> None:
+        """Leave the PS at once, as a failed rank does (``PSClient.abort``). The popen launcher calls it when rank 0
+        fails, before ending the other ranks: their requests to this rank's shard then fail with an error naming
+        it, and they end on their own, where they would wait on this rank until killed."""
+        if self._client is not None:
+            self._client.abort()
+
     def teardown(self) -> None:
         client = self._client
         failed, self._failed = self._failed, False

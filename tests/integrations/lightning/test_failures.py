@@ -30,12 +30,15 @@ def test_an_error_on_rank_0_is_what_fit_raises_not_the_goodbye_after_it(tmp_path
     assert returncode != 0, out[-6000:]
     raised = _raised(tmp_path, 0, out)
     assert (raised["type"], raised["text"]) == ("ValueError", "a user's bug on rank 0"), (raised, out[-6000:])
+    if mode == "async":  # rank 0 left the PS before the launcher ended rank 1: rank 1 hears of it, by name
+        assert "rank 0 failed" in _raised(tmp_path, 1, out)["text"], out[-6000:]
 
 
 @pytest.mark.timeout(180)
 def test_an_error_on_one_rank_ends_the_job_long_before_the_timeout(tmp_path: Path) -> None:
     """Async, rank 1 fails: it raises its own error at once (it used to wait ``timeout`` for rank 0's goodbye, while
-    rank 0 waited as long for rank 1's batches), and rank 0 learns of it from the closed connection."""
+    rank 0 waited as long for rank 1's batches), and rank 0 learns of it from its shard. Rank 0's launcher, which
+    ends the other ranks when rank 0 fails, gives rank 1 the time to end on its own (it killed it mid-traceback)."""
     start = time.monotonic()
     returncode, out = run_script([str(JOB), str(tmp_path), "async", "1"], tmp_path, timeout=150)
     elapsed = time.monotonic() - start

@@ -29,6 +29,7 @@ pull at those points without meeting, so each validates the global copy as the o
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -42,6 +43,8 @@ from ivyplug.integrations.keras.lamb import LAMB
 from ivyplug.integrations.keras.model_access import inner_optimizer, steps_in_call
 
 from ivyplug.ps.config import PSConfig
+
+log = logging.getLogger(__name__)
 
 
 @keras.saving.register_keras_serializable(package="ivyplug")
@@ -242,6 +245,12 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         if not isinstance(optimizer, AsyncLAMB):
             raise ValueError(f"AsyncLAMBExchange needs a model compiled with AsyncLAMB, got {type(optimizer).__name__}")
         check_overlap_mode(bool(optimizer.overlap), self.config.mode)  # before any group or server starts
+        if self.client is not None:  # Keras calls no callback when fit raises: that fit's client is still open
+            log.warning(
+                "AsyncLAMBExchange: the previous fit ended with an error; its PS client is closed now, without "
+                "waiting for the other workers, before this fit starts"
+            )
+            self._stop(failed=True)
         world = self._join_workers()
         try:
             self._start(optimizer, world)
@@ -293,10 +302,15 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         finally:
             self._stop()
 
-    def _stop(self) -> None:
-        """Close the client and drop the process group this callback made, whatever of them exists."""
+    def _stop(self, failed: bool = False) -> None:
+        """Close the client and drop the process group this callback made, whatever of them exists. ``failed``: the
+        fit ended with an error: leave the PS at once (``PSClient.abort``: no goodbye, the others are told)."""
         try:
-            if self.client is not None:
+            if self.client is not None and failed:
+                if self._delta is not None:
+                    self._delta.close()  # an overlapped exchange in flight ends first
+                self.client.abort()
+            elif self.client is not None:
                 with _same_epochs_hint():  # the others' goodbyes: a worker still training sends none
                     self.client.close()
         finally:

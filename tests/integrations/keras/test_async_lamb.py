@@ -496,3 +496,32 @@ def test_docstring_example_runs() -> None:
     for test in tests:
         runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
+
+
+class _RaiseAt(keras.callbacks.Callback):
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if batch == self.batch:
+            raise ValueError("a user's bug")
+
+
+def test_a_fit_that_raised_leaves_no_client_open_for_the_next_fit(caplog: pytest.LogCaptureFixture) -> None:
+    """Keras calls no callback when ``fit`` raises, so the PS client of that fit stayed open (its threads, its
+    shard, its slot at an ``ivyplug serve``) next to the one the next fit started: the next fit leaves it first,
+    without goodbye, and says so."""
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=AsyncLAMB(learning_rate=0.02, sync_every=2), loss="mse")
+    exchange = AsyncLAMBExchange(mode="async")
+    with pytest.raises(ValueError, match="a user's bug"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[exchange, _RaiseAt(3)])
+    first = exchange.client
+    assert first is not None and not first.closed
+    with caplog.at_level("WARNING", logger="ivyplug.integrations.keras.async_lamb"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[exchange])
+    assert first.closed
+    assert exchange.client is None and exchange.exchanges == 5  # the second fit's 10 steps, every 2
+    assert [r.message for r in caplog.records if "previous fit ended with an error" in r.message], caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,14 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _destroy_default_group() -> None:
+    """A one-device fit under ivyplug's strategies keeps the default process group for the process's next stage
+    (destroyed at exit): a later test in this pytest worker would find it and take its world size for its own."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _restore_launch_variables() -> Iterator[None]:
     """Every test starts with a MASTER_PORT of this worker's own range (tests/ports.py) and ends with the launch
@@ -42,6 +51,7 @@ def _restore_launch_variables() -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}
     os.environ["MASTER_PORT"] = str(free_port())
     yield
+    _destroy_default_group()
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -1,0 +1,91 @@
+"""The PS's optimizer state per parameter (``PSClient.take_param_states``), as torch keeps it for a model stepped in
+one process: checked against torch's own optimizer stepped alongside, and loaded back into a PS either way."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ivyplug.ps import PSClient
+from tests.ps.scenarios import batch, mlp, start
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Two groups in another order than the model's, and one parameter (the first bias) outside the optimizer."""
+    params = list(model.parameters())
+    return torch.optim.AdamW(
+        [{"params": params[4:], "lr": 0.02}, {"params": [params[0], *params[2:4]], "lr": 0.01}], weight_decay=0.05
+    )
+
+
+def _step(
+    model: torch.nn.Module, step: int, client: PSClient | None = None, opt: torch.optim.Optimizer | None = None
+) -> None:
+    x, y = batch(step, 8)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    if client is not None:
+        client.step(8)
+    else:
+        assert opt is not None
+        opt.step()
+
+
+def _torch_indices(client: PSClient, opt: torch.optim.Optimizer) -> list[int]:
+    where = {id(p): j for j, (_, p) in enumerate(client.params)}
+    return [where[id(p)] for group in opt.param_groups for p in group["params"]]
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 200])  # 200: the larger tensors cut in row blocks over both shards
+def test_the_state_per_parameter_is_torchs_and_loads_back_either_way(max_shard_bytes: int | None) -> None:
+    model, ref = mlp(seed=0), mlp(seed=0)
+    opt, ref_opt = _adamw(model), _adamw(ref)
+    client = start(model, opt, mode="async", num_servers=2, timeout=30.0, max_shard_bytes=max_shard_bytes)
+    try:
+        assert (max_shard_bytes is None) == (not client.plan.split_tensors())
+        for step in range(3):
+            _step(model, step, client=client)
+            _step(ref, step, opt=ref_opt)
+        client.sync()
+        full = client.state_dict()
+        stripped, by_param = client.take_param_states(full)
+        assert all(not sh["optimizer"]["state"] for sh in stripped["shards"])
+        assert all(sh["optimizer"]["state"] for sh in full["shards"])  # the state it was given is left whole
+        index = _torch_indices(client, opt)
+        want = ref_opt.state_dict()["state"]
+        assert sorted(by_param) == sorted(index)  # the bias outside the optimizer has no state
+        for k, j in enumerate(index):
+            assert sorted(by_param[j]) == sorted(want[k])
+            for key in want[k]:
+                torch.testing.assert_close(by_param[j][key], want[k][key], rtol=0, atol=0)
+        _step(model, 3, client=client)
+        after = [p.detach().clone() for p in model.parameters()]
+        client.load_state_dict(stripped, by_param)  # back to step 3's state, the optimizer's from its entries
+        _step(model, 3, client=client)
+        for a, b in zip(after, model.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        client.close()
+
+    # into a PS started from a model stepped in one process, as from DDP's checkpoint: the same steps as torch's
+    model2 = copy.deepcopy(ref)
+    opt2 = _adamw(model2)
+    client2 = start(model2, opt2, mode="async", num_servers=2, timeout=30.0, max_shard_bytes=max_shard_bytes)
+    try:
+        fresh, _ = client2.take_param_states(client2.state_dict())
+        torch_state = {j: ref_opt.state_dict()["state"][k] for k, j in enumerate(index)}
+        client2.load_state_dict(fresh, {})  # the control: without the moments the same step goes elsewhere
+        _step(model2, 3, client=client2)
+        without_moments = [p.detach().clone() for p in model2.parameters()]
+        client2.load_state_dict(fresh, torch_state)
+        for step in (3, 4):
+            _step(model2, step, client=client2)
+            _step(ref, step, opt=ref_opt)
+            if step == 3:
+                assert any(not torch.equal(a, b) for a, b in zip(without_moments, model2.parameters(), strict=True))
+        for a, b in zip(model2.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        client2.close()

@@ -34,7 +34,7 @@ import logging
 import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed
@@ -83,7 +83,11 @@ log = logging.getLogger(__name__)
 
 #: Key of the PS state inside each entry of a checkpoint's ``optimizer_states``.
 CHECKPOINT_KEY = "ivyplug_ps"
-CHECKPOINT_FORMAT = 1
+#: 2: each entry is the optimizer's own state dict as torch writes it (gradient modes: its state per parameter, taken
+#: out of the shards), plus the keys below, so that DDP or a plain loop resumes from it; 1: under "worker_optimizer"
+CHECKPOINT_FORMAT = 2
+#: The keys an entry adds to the optimizer's state dict.
+ENTRY_KEYS = ("format", "mode", CHECKPOINT_KEY)
 #: Key of every worker's own local-update optimizer state (AsyncLAMB, LocalUpdates), by rank, in that entry.
 LOCAL_STATES_KEY = "worker_optimizers"
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -246,6 +250,7 @@ class IvyPSStrategy(DDPStrategy):
         self.joined_default_group = False
         self._samples: list[int] = []  # per optimizer: samples since its last step (sync weights pushes by them)
         self._local_updates: DeltaExchangingOptimizer | None = None  # an optimizer that steps locally (AsyncLAMB)
+        self._param_states: dict[int, dict[str, Any]] = {}  # the optimizers' state, from the shards (a save)
         self._clip_norm: float | None = None
         self._clip_value: float | None = None
         self._in_train_batch = False
@@ -687,17 +692,32 @@ class IvyPSStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The first optimizer's entry holds the PS state (collective: every rank saves); each holds its own
-        hyperparameters."""
+        """Each entry is the optimizer's state dict as torch writes it, so that DDP or a plain loop resumes from it
+        too: where the servers step the optimizer, its state per parameter comes from the shards. The first entry
+        also holds the rest of the PS state (collective: every rank saves)."""
         if self._client is None:
             return super().optimizer_state(optimizer)
-        state: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "mode": self.mode}
+        own = optimizer.state_dict()
+        state: dict[str, Any] = {**own, "format": CHECKPOINT_FORMAT, "mode": self.mode}
         if optimizer is self.optimizers[0]:
-            state[CHECKPOINT_KEY] = self._client.state_dict()
-        state["worker_optimizer"] = optimizer.state_dict()
+            ps_state = self._client.state_dict()
+            if self._local_updates is None:  # the optimizer's state lives in its entries, once
+                ps_state, self._param_states = self._client.take_param_states(ps_state)
+            state[CHECKPOINT_KEY] = ps_state
+        if isinstance(optimizer, PSOptimizer):
+            index = self._ps_indices(optimizer)
+            state["state"] = {k: self._param_states[j] for k, j in enumerate(index) if j in self._param_states}
+            if optimizer is self.optimizers[-1]:
+                self._param_states = {}
         if optimizer is self._local_updates:  # each worker's local optimizer state is its own: every one is kept
-            state[LOCAL_STATES_KEY] = self._gather_local_states(state["worker_optimizer"])
+            state[LOCAL_STATES_KEY] = self._gather_local_states(own)
         return state
+
+    def _ps_indices(self, optimizer: PSOptimizer) -> list[int]:
+        """The PS's param index of each parameter of ``optimizer``, in the order of its state dict's indices."""
+        assert self._client is not None
+        where = {id(p): j for j, (_, p) in enumerate(self._client.params)}
+        return [where.get(id(p), -1) for group in optimizer.optimizer.param_groups for p in group["params"]]
 
     def _gather_local_states(self, mine: dict[str, Any]) -> dict[int, Any] | None:
         """Every live worker's local-update optimizer state, by rank, on rank 0 (``None`` elsewhere): only rank 0
@@ -727,10 +747,10 @@ class IvyPSStrategy(DDPStrategy):
                 "start a new fit without ckpt_path)"
             )
         state = states[0]
-        if not isinstance(state, Mapping) or CHECKPOINT_KEY not in state:
+        if not isinstance(state, Mapping) or not (CHECKPOINT_KEY in state or {"state", "param_groups"} <= set(state)):
             raise ValueError(
-                "IvyPSStrategy cannot resume from this checkpoint: it was not written by IvyPSStrategy "
-                f"(no {CHECKPOINT_KEY!r} entry in optimizer_states[0])"
+                "IvyPSStrategy cannot resume from this checkpoint: optimizer_states[0] is neither IvyPSStrategy's "
+                f"(no {CHECKPOINT_KEY!r} entry) nor a torch optimizer's state dict"
             )
         return state
 
@@ -753,24 +773,48 @@ class IvyPSStrategy(DDPStrategy):
             )
         for optimizer, entry in zip(self.optimizers, states, strict=True):
             optimizer.load_state_dict(self._own_optimizer_state(optimizer, entry))
-        self._client.load_state_dict(state[CHECKPOINT_KEY])  # collective; ends with every rank pulling
+        ps_state = state.get(CHECKPOINT_KEY)
+        if self._local_updates is not None or state.get("format") == 1:  # the PS state holds the servers' optimizer
+            if ps_state is not None:
+                self._client.load_state_dict(ps_state)  # collective; ends with every rank pulling
+            else:
+                log.info(
+                    "IvyPSStrategy: a checkpoint of another strategy: the local optimizer resumes from it, the "
+                    "servers' outer optimizer starts afresh"
+                )
+        else:  # the optimizer's state, per parameter, is in the entries (from the shards, or another strategy's)
+            param_states: dict[int, dict[str, Any]] = {}
+            for optimizer, entry in zip(self.optimizers, states, strict=True):
+                saved = entry["state"]
+                for k, j in enumerate(self._ps_indices(cast(PSOptimizer, optimizer))):
+                    if j >= 0 and k in saved:
+                        param_states[j] = saved[k]
+            if ps_state is None:  # another strategy's: the PS started from its weights (restored before setup)
+                ps_state, _ = self._client.take_param_states(self._client.state_dict())
+            self._client.load_state_dict(ps_state, param_states)
         if self._local_updates is not None:
             self._local_updates.reset_snapshot()
 
     def _own_optimizer_state(self, optimizer: Optimizer, entry: Mapping[str, Any]) -> Any:
         """This rank's own local-update optimizer state where the checkpoint holds it, else the saved one (rank 0's;
         for optimizers the servers step it holds only hyperparameters, the same on every rank)."""
+        if "worker_optimizer" in entry:  # format 1
+            saved = entry["worker_optimizer"]
+        elif optimizer is self._local_updates:
+            saved = {k: v for k, v in entry.items() if k not in (*ENTRY_KEYS, LOCAL_STATES_KEY)}
+        else:  # the servers hold the state: the worker's optimizer keeps its hyperparameters only
+            return {"state": {}, "param_groups": entry["param_groups"]}
         if optimizer is not self._local_updates:
-            return entry["worker_optimizer"]
+            return saved
         own = (entry.get(LOCAL_STATES_KEY) or {}).get(self.global_rank)
         if own is not None:
             return own
-        if self.global_rank != 0:
-            saved = sorted(entry.get(LOCAL_STATES_KEY) or {})
+        if self.global_rank != 0 and CHECKPOINT_KEY in entry:  # (another strategy's: the same on every rank)
+            ranks = sorted(entry.get(LOCAL_STATES_KEY) or {})
             log.warning(
                 "IvyPSStrategy: the checkpoint holds no local optimizer state of rank %d (%s): it resumes with rank "
                 "0's (its moments, for AsyncLAMB or LocalUpdates' inner optimizer, are rank 0's)",
                 self.global_rank,
-                f"saved by rank(s) {saved}" if saved else "written before each rank's was kept",
+                f"saved by rank(s) {ranks}" if ranks else "written before each rank's was kept",
             )
-        return entry["worker_optimizer"]
+        return saved

@@ -8,9 +8,13 @@ of shards or workers, or another model, is refused with an error naming both job
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Sequence
 from typing import Any
 
-from ivyplug.ps.sharding import ShardPlan
+import torch
+
+from ivyplug.ps.sharding import Piece, ShardPlan
 
 #: 2: integer buffers held as int64 bits (format 1 held them as fp32 values)
 STATE_FORMAT = "ivyplug.ps/2"
@@ -54,3 +58,72 @@ def shards_to_load(state: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
         raise ValueError(f"cannot resume: the PS state was saved by a job with {saved}, this job has {here}")
     convert = state["mode"] != meta["mode"]
     return [dict(sh, reset_clocks=True) if convert else sh for sh in state["shards"]]
+
+
+def _optimizer_pieces(plan: ShardPlan, param_group: Sequence[int], shard: int) -> list[Piece]:
+    """The shard's param pieces in the order of its optimizer's state indices: group by group (sorted), each group's
+    pieces in plan order, pieces outside the optimizer left out (``OptimizerSpec.build``)."""
+    pieces = [p for p in plan.pieces[shard] if p.kind == "param"]
+    groups = sorted({param_group[p.index] for p in pieces if param_group[p.index] >= 0})
+    return [p for g in groups for p in pieces if param_group[p.index] == g]
+
+
+def _row_block(value: Any, piece: Piece, shape: tuple[int, ...]) -> Any:
+    """``piece``'s rows of a per-element state value of a tensor of ``shape``; any other value as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == shape:
+        return value[piece.row_start : piece.row_end].clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def take_param_states(
+    state: dict[str, Any], plan: ShardPlan, param_group: Sequence[int]
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """``state`` without the shards' optimizer state (each shard keeps its param groups), and that state joined per
+    parameter: param index -> its state as an optimizer over the whole tensor holds it (a split tensor's row blocks
+    concatenated; a value that is not per element, such as ``step``, its first block's). ``param_group``: each
+    param index's group in the optimizer, -1 for none (``OptimizerSpec.param_group``)."""
+    blocks: dict[int, list[tuple[Piece, dict[str, Any]]]] = {}
+    shards = []
+    for shard, sh in enumerate(state["shards"]):
+        opt = sh.get("optimizer")
+        if opt is not None:
+            for k, piece in enumerate(_optimizer_pieces(plan, param_group, shard)):
+                st = opt["state"].get(k, opt["state"].get(str(k)))
+                if st:
+                    blocks.setdefault(piece.index, []).append((piece, st))
+            sh = {**sh, "optimizer": {**opt, "state": {}}}
+        shards.append(sh)
+    num_pieces = collections.Counter(p.index for ps in plan.pieces for p in ps if p.kind == "param")
+    joined: dict[int, dict[str, Any]] = {}
+    for index, parts in blocks.items():
+        parts.sort(key=lambda part: part[0].row_start)
+        first = parts[0][1]
+        if len(parts) != num_pieces[index] or any(set(st) != set(first) for _, st in parts):
+            raise ValueError(f"the PS state of parameter {plan.specs[index].name!r} is not in every one of its pieces")
+        joined[index] = {
+            key: torch.cat([st[key] for _, st in parts])
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and len(parts) > 1
+            else value
+            for key, value in first.items()
+        }
+    return {**state, "shards": shards}, joined
+
+
+def put_param_states(
+    state: dict[str, Any], states: dict[int, dict[str, Any]], plan: ShardPlan, param_group: Sequence[int]
+) -> dict[str, Any]:
+    """The reverse of :func:`take_param_states`: ``state`` with each shard's optimizer state cut from ``states``
+    (param index -> its state over the whole tensor; a parameter it lacks starts without state)."""
+    shards = []
+    for shard, sh in enumerate(state["shards"]):
+        opt = sh.get("optimizer")
+        if opt is not None:
+            pieces = _optimizer_pieces(plan, param_group, shard)
+            own = {
+                k: {key: _row_block(v, piece, plan.specs[piece.index].shape) for key, v in states[piece.index].items()}
+                for k, piece in enumerate(pieces)
+                if states.get(piece.index)
+            }
+            sh = {**sh, "optimizer": {**opt, "state": own}}
+        shards.append(sh)
+    return {**state, "shards": shards}

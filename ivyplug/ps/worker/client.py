@@ -794,11 +794,20 @@ class PSClient:
             blobs = self.workers.share_from_rank0(mine, self.plan.num_shards)
         return checkpoint.make_state(self._meta(), [load_state_bytes(b) for b in blobs])
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Collective: restore every shard from :meth:`state_dict` output (given on every rank), then pull."""
+    def load_state_dict(self, state: dict[str, Any], param_states: dict[int, dict[str, Any]] | None = None) -> None:
+        """Collective: restore every shard from :meth:`state_dict` output (given on every rank), then pull.
+        ``param_states``: the optimizer's state per parameter, where :meth:`take_param_states` took it out."""
         self._check_open()
+        if param_states is not None:
+            state = checkpoint.put_param_states(state, param_states, self.plan, self.spec.param_group)
         with self._exclusive("load_state_dict()"):
             self._load_state_dict(state)
+
+    def take_param_states(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        """A :meth:`state_dict` without the optimizer's state, and that state per parameter (index into the params
+        given to :meth:`start` -> its state as an optimizer stepping the whole tensor in one process holds it):
+        what a checkpoint that other strategies, or a plain training loop, resume from keeps. No collective."""
+        return checkpoint.take_param_states(state, self.plan, self.spec.param_group)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         shards = checkpoint.shards_to_load(state, self._meta())

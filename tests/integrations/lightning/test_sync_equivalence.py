@@ -100,6 +100,47 @@ def test_sync_resume_after_epoch_2_matches_uninterrupted_bitwise(sync_run: SyncR
         assert torch.equal(resumed_params[name], sync_run.params[name]), name
 
 
+def test_an_ivy_ps_checkpoint_resumes_under_ddp_and_a_ddp_checkpoint_under_ivy_ps(
+    sync_run: SyncRun, tmp_path: Path
+) -> None:
+    """Each entry of ``optimizer_states`` is the optimizer's state dict as torch writes it, its state (SGD's
+    momentum) taken from the shards: DDP resumes from it (it raised a bare ``KeyError: 'param_groups'``), and the
+    PS from DDP's checkpoint, to the uninterrupted run's parameters (sync equals DDP up to the order of sums)."""
+    entry = torch.load(sync_run.checkpoints / "epoch=1.ckpt", weights_only=False)["optimizer_states"][0]
+    assert len(entry["state"]) == len(list(sync_run.init.parameters()))
+    assert all("momentum_buffer" in s for s in entry["state"].values())
+    assert not any(sh["optimizer"]["state"] for sh in entry["ivyplug_ps"]["shards"])  # kept once, in the entry
+
+    def resume(strategy: Any, checkpoint_path: Path, epochs: int = EPOCHS, **kwargs: Any) -> dict[str, torch.Tensor]:
+        seed_everything(0)  # the run's sampler seed (PL_GLOBAL_SEED), as in the uninterrupted run
+        torch.manual_seed(123)
+        resumed = _model()  # another initialisation: everything must come from the checkpoint
+        with reaped_children():
+            quiet_trainer(
+                strategy, devices=2, max_epochs=epochs, gradient_clip_val=0.5, limit_val_batches=0, **kwargs
+            ).fit(resumed, ckpt_path=checkpoint_path)
+        return params_of(resumed)
+
+    ddp_resumed = resume(SpawnedDDP(start_method="spawn"), sync_run.checkpoints / "epoch=1.ckpt")
+    assert max_abs_diff(ddp_resumed, sync_run.params) <= 1e-5
+
+    seed_everything(0)
+    ddp_model = copy.deepcopy(sync_run.init)
+    with reaped_children():  # DDP's own first two epochs, checkpointed
+        quiet_trainer(
+            SpawnedDDP(start_method="spawn"),
+            devices=2,
+            max_epochs=2,
+            gradient_clip_val=0.5,
+            limit_val_batches=0,
+            enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="ddp")],
+            default_root_dir=str(tmp_path),
+        ).fit(ddp_model)
+    ps_resumed = resume(IvyPSStrategy(mode="sync", start_method="spawn", timeout=60), tmp_path / "ddp.ckpt")
+    assert max_abs_diff(ps_resumed, sync_run.params) <= 1e-5
+
+
 def _lamb_with_step_lr(m: Any) -> tuple[torch.optim.Optimizer, Any]:
     from ivyplug.optim import LAMB
 
@@ -188,7 +229,8 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 def test_sync_local_updates_resume_with_each_workers_own_optimizer_state(tmp_path: Path) -> None:
     """LocalUpdates(AdamW), sync: the checkpoint keeps every worker's own inner moments, and a resume from epoch 1
     ends bitwise where the uninterrupted fit did. The control, the same checkpoint holding rank 0's state only (as
-    written before), resumes every rank with rank 0's moments and ends elsewhere."""
+    the first checkpoint format did, which still resumes), resumes every rank with rank 0's moments and ends
+    elsewhere."""
     seed_everything(0)
     init = _LocalAdamW(hidden=64, lr=0.01, train_size=512, batch_size=BATCH)
 
@@ -216,7 +258,13 @@ def test_sync_local_updates_resume_with_each_workers_own_optimizer_state(tmp_pat
     fit(resumed, ckpt_path=tmp_path / "epoch=0.ckpt")
     assert max_abs_diff(params_of(resumed), params_of(whole)) == 0.0
 
-    del entry["worker_optimizers"]
+    del entry["worker_optimizers"]  # as the first format held it: rank 0's state, under "worker_optimizer"
+    checkpoint["optimizer_states"][0] = {
+        "format": 1,
+        "mode": entry["mode"],
+        "ivyplug_ps": entry["ivyplug_ps"],
+        "worker_optimizer": {k: v for k, v in entry.items() if k not in ("format", "mode", "ivyplug_ps")},
+    }
     torch.save(checkpoint, tmp_path / "rank0_only.ckpt")
     control = copy.deepcopy(init)
     fit(control, ckpt_path=tmp_path / "rank0_only.ckpt")

@@ -76,6 +76,7 @@ from typing_extensions import override
 from ivyplug.localsgd.optimizer_protocol import DeltaExchangingOptimizer
 from ivyplug.ps.config import PSConfig
 from ivyplug.ps.wire import gloo_net
+from ivyplug.ps.worker.checkpoint import NotPerElement
 from ivyplug.ps.worker.member_group import MemberGroup, bytes_tensor, tensor_bytes
 from ivyplug.ps.worker.optimizer import PSOptimizer, served_optimizer
 
@@ -251,6 +252,8 @@ class IvyPSStrategy(DDPStrategy):
         self._samples: list[int] = []  # per optimizer: samples since its last step (sync weights pushes by them)
         self._local_updates: DeltaExchangingOptimizer | None = None  # an optimizer that steps locally (AsyncLAMB)
         self._param_states: dict[int, dict[str, Any]] = {}  # the optimizers' state, from the shards (a save)
+        self._portable = True  # the save in progress writes entries DDP reads (format 2)
+        self._ps_closed = False  # a PS ran in this fit and is closed: its servers' state is gone
         self._clip_norm: float | None = None
         self._clip_value: float | None = None
         self._in_train_batch = False
@@ -350,6 +353,7 @@ class IvyPSStrategy(DDPStrategy):
         if ps_tensors is not None:  # overlapped exchanges: the client holds shadow copies, never the model's
             params, buffers = ps_tensors(params, buffers)
         served = served_optimizer(optimizers) if local is None else local.outer_optimizer(self.mode, self.world_size)
+        self._ps_closed = False
         self._client = PSClient.start(
             self.ps_config,
             params=params,
@@ -449,6 +453,7 @@ class IvyPSStrategy(DDPStrategy):
         if client is not None and client.lost_ranks:
             self._lost_ranks = client.lost_ranks
         self._client = None
+        self._ps_closed = self._ps_closed or client is not None
         self._remove_patches(trainer_of(self.lightning_module))
         if any(isinstance(o, PSOptimizer) for o in self.optimizers):  # the module's own optimizers again
             self.optimizers = [o.optimizer if isinstance(o, PSOptimizer) else o for o in self.optimizers]
@@ -695,20 +700,36 @@ class IvyPSStrategy(DDPStrategy):
         """Each entry is the optimizer's state dict as torch writes it, so that DDP or a plain loop resumes from it
         too: where the servers step the optimizer, its state per parameter comes from the shards. The first entry
         also holds the rest of the PS state (collective: every rank saves)."""
+        state: dict[str, Any]
         if self._client is None:
-            return super().optimizer_state(optimizer)
+            state = dict(super().optimizer_state(optimizer))
+            if self._ps_closed:  # saved after the fit: the servers' state is gone, the entry holds none of it
+                state[CHECKPOINT_KEY] = None
+            return state
         own = optimizer.state_dict()
-        state: dict[str, Any] = {**own, "format": CHECKPOINT_FORMAT, "mode": self.mode}
-        if optimizer is self.optimizers[0]:
+        first = optimizer is self.optimizers[0]
+        if first:
             ps_state = self._client.state_dict()
-            if self._local_updates is None:  # the optimizer's state lives in its entries, once
-                ps_state, self._param_states = self._client.take_param_states(ps_state)
+            self._portable = True
+            if self._local_updates is None:  # the optimizer's state moves into its entries
+                try:
+                    ps_state, self._param_states = self._client.take_param_states(ps_state)
+                except NotPerElement as exc:
+                    self._portable = False
+                    log.warning(
+                        "IvyPSStrategy: %s; the checkpoint keeps it in the PS state, which DDP cannot read", exc
+                    )
+        if not self._portable:  # the first format: the PS state whole, the worker's optimizer beside it
+            state = {"format": 1, "mode": self.mode, "worker_optimizer": own}
+        else:
+            state = {**own, "format": CHECKPOINT_FORMAT, "mode": self.mode}
+            if isinstance(optimizer, PSOptimizer) and self._local_updates is None:
+                index = self._ps_indices(optimizer)
+                state["state"] = {k: self._param_states[j] for k, j in enumerate(index) if j in self._param_states}
+        if first:
             state[CHECKPOINT_KEY] = ps_state
-        if isinstance(optimizer, PSOptimizer):
-            index = self._ps_indices(optimizer)
-            state["state"] = {k: self._param_states[j] for k, j in enumerate(index) if j in self._param_states}
-            if optimizer is self.optimizers[-1]:
-                self._param_states = {}
+        if optimizer is self.optimizers[-1]:
+            self._param_states = {}
         if optimizer is self._local_updates:  # each worker's local optimizer state is its own: every one is kept
             state[LOCAL_STATES_KEY] = self._gather_local_states(own)
         return state
@@ -747,6 +768,12 @@ class IvyPSStrategy(DDPStrategy):
                 "start a new fit without ckpt_path)"
             )
         state = states[0]
+        if isinstance(state, Mapping) and CHECKPOINT_KEY in state and state[CHECKPOINT_KEY] is None:
+            raise ValueError(
+                "IvyPSStrategy cannot resume from this checkpoint: it was saved after the PS fit had ended "
+                "(trainer.save_checkpoint after fit), when the servers' optimizer state was gone; load its weights "
+                "(Model.load_from_checkpoint(path)) and start a new fit, or resume from a checkpoint saved during it"
+            )
         if not isinstance(state, Mapping) or not (CHECKPOINT_KEY in state or {"state", "param_groups"} <= set(state)):
             raise ValueError(
                 "IvyPSStrategy cannot resume from this checkpoint: optimizer_states[0] is neither IvyPSStrategy's "

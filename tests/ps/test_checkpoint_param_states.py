@@ -89,3 +89,19 @@ def test_the_state_per_parameter_is_torchs_and_loads_back_either_way(max_shard_b
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     finally:
         client2.close()
+
+
+def test_a_state_that_is_not_per_element_of_a_split_tensor_is_refused_by_name() -> None:
+    """Adafactor keeps a row and a column statistic per matrix: cut in row blocks over two shards, they cannot be
+    joined into the whole tensor's (concatenated, the column statistic would double), so the join refuses."""
+    from ivyplug.ps.worker.checkpoint import NotPerElement
+
+    model = mlp(seed=0)
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    client = start(model, opt, mode="async", num_servers=2, timeout=30.0, max_shard_bytes=200)
+    try:
+        _step(model, 0, client=client)
+        with pytest.raises(NotPerElement, match=r"of parameter '\d+\.weight', cut in row blocks over the shards"):
+            client.take_param_states(client.state_dict())
+    finally:
+        client.close()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ivyplug.ps.server.shard import piece_shape
 from ivyplug.ps.sharding import Piece, ShardPlan
 
 #: 2: integer buffers held as int64 bits (format 1 held them as fp32 values)
@@ -60,6 +61,10 @@ def shards_to_load(state: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
     return [dict(sh, reset_clocks=True) if convert else sh for sh in state["shards"]]
 
 
+class NotPerElement(ValueError):
+    """An optimizer state value of a tensor cut over the shards that is not per element (cannot be joined)."""
+
+
 def _optimizer_pieces(plan: ShardPlan, param_group: Sequence[int], shard: int) -> list[Piece]:
     """The shard's param pieces in the order of its optimizer's state indices: group by group (sorted), each group's
     pieces in plan order, pieces outside the optimizer left out (``OptimizerSpec.build``)."""
@@ -98,11 +103,24 @@ def take_param_states(
     for index, parts in blocks.items():
         parts.sort(key=lambda part: part[0].row_start)
         first = parts[0][1]
+        name = plan.specs[index].name
         if len(parts) != num_pieces[index] or any(set(st) != set(first) for _, st in parts):
-            raise ValueError(f"the PS state of parameter {plan.specs[index].name!r} is not in every one of its pieces")
+            raise ValueError(f"the PS state of parameter {name!r} is not in every one of its pieces")
+        if len(parts) == 1:  # whole: its state is the whole tensor's, whatever it holds
+            joined[index] = first
+            continue
+        for piece, st in parts:
+            rows = piece_shape(plan.specs[index].shape, piece)
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != rows:
+                    raise NotPerElement(
+                        f"the optimizer's {key!r} of parameter {name!r}, cut in row blocks over the shards, is not "
+                        f"per element (shape {tuple(value.shape)} in a block of {rows}): it cannot be joined into "
+                        "the whole tensor's"
+                    )
         joined[index] = {
             key: torch.cat([st[key] for _, st in parts])
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and len(parts) > 1
+            if isinstance(value, torch.Tensor) and value.dim() > 0
             else value
             for key, value in first.items()
         }

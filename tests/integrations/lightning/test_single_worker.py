@@ -107,6 +107,45 @@ def test_bf16_fit_then_validate_test_predict_and_weights_only_refusal(tmp_path: 
     resumed = quiet_trainer(IvyPSStrategy(mode="sync"), devices=1, max_epochs=2)
     with pytest.raises(ValueError, match="weights-only checkpoint"):
         resumed.fit(DigitsMLP(hidden=32, train_size=256), ckpt_path=weights_only)
+    after_fit = tmp_path / "after_fit.ckpt"  # the servers, and their optimizer state, are gone by now
+    trainer.save_checkpoint(after_fit)
+    resumed = quiet_trainer(IvyPSStrategy(mode="sync"), devices=1, max_epochs=2)
+    with pytest.raises(ValueError, match="saved after the PS fit had ended"):
+        resumed.fit(DigitsMLP(hidden=32, train_size=256), ckpt_path=after_fit)
+
+
+class _Adafactor(DigitsMLP):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adafactor(self.parameters(), lr=0.01)
+
+
+def test_a_state_that_is_not_per_element_stays_in_the_ps_state_and_resumes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Adafactor's row and column statistics of a tensor cut over two servers cannot be joined into the whole
+    tensor's: the checkpoint keeps them in the PS state (the first format, which DDP cannot read), says so, and
+    ``ivy_ps`` resumes from it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seed_everything(0)
+
+    def trainer(epochs: int, **kwargs: object) -> object:
+        strategy = IvyPSStrategy(mode="async", num_servers=2, max_shard_bytes=4096, timeout=60)
+        return quiet_trainer(strategy, devices=1, max_epochs=epochs, limit_val_batches=0, **kwargs)
+
+    with caplog.at_level("WARNING"):
+        trainer(
+            1,
+            enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="first")],
+            default_root_dir=str(tmp_path),
+        ).fit(_Adafactor(hidden=32, train_size=256, batch_size=32))
+    assert "is not per element" in caplog.text and "which DDP cannot read" in caplog.text
+    entry = torch.load(tmp_path / "first.ckpt", weights_only=False)["optimizer_states"][0]
+    assert entry["format"] == 1 and any(sh["optimizer"]["state"] for sh in entry["ivyplug_ps"]["shards"])
+    resumed = _Adafactor(hidden=32, train_size=256, batch_size=32)
+    trainer(2).fit(resumed, ckpt_path=tmp_path / "first.ckpt")
+    assert all(torch.isfinite(p).all() for p in resumed.parameters())
 
 
 def test_a_one_device_worker_of_an_ivyplug_serve_logs_its_counters_under_its_slot() -> None:

@@ -241,16 +241,16 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         from ivyplug.localsgd.delta_exchange import check_overlap_mode
 
-        optimizer = inner_optimizer(self.model)  # under mixed precision Keras wraps it in a LossScaleOptimizer
-        if not isinstance(optimizer, AsyncLAMB):
-            raise ValueError(f"AsyncLAMBExchange needs a model compiled with AsyncLAMB, got {type(optimizer).__name__}")
-        check_overlap_mode(bool(optimizer.overlap), self.config.mode)  # before any group or server starts
         if self.client is not None:  # Keras calls no callback when fit raises: that fit's client is still open
             log.warning(
                 "AsyncLAMBExchange: the previous fit ended with an error; its PS client is closed now, without "
                 "waiting for the other workers, before this fit starts"
             )
             self._stop(failed=True)
+        optimizer = inner_optimizer(self.model)  # under mixed precision Keras wraps it in a LossScaleOptimizer
+        if not isinstance(optimizer, AsyncLAMB):
+            raise ValueError(f"AsyncLAMBExchange needs a model compiled with AsyncLAMB, got {type(optimizer).__name__}")
+        check_overlap_mode(bool(optimizer.overlap), self.config.mode)  # before any group or server starts
         world = self._join_workers()
         try:
             self._start(optimizer, world)
@@ -304,19 +304,21 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
 
     def _stop(self, failed: bool = False) -> None:
         """Close the client and drop the process group this callback made, whatever of them exists. ``failed``: the
-        fit ended with an error: leave the PS at once (``PSClient.abort``: no goodbye, the others are told)."""
+        fit ended with an error: leave the PS at once (``PSClient.abort``: no goodbye, the others are told) and keep
+        the process group, whose subgroups the client's server threads may still receive on (the next fit reuses
+        it)."""
         try:
             if self.client is not None and failed:
-                if self._delta is not None:
-                    self._delta.close()  # an overlapped exchange in flight ends first
                 self.client.abort()
+                if self._delta is not None:
+                    self._delta.close()  # an overlapped exchange in flight ends with the abort
             elif self.client is not None:
                 with _same_epochs_hint():  # the others' goodbyes: a worker still training sends none
                     self.client.close()
         finally:
             self.client = None
             self._in_fit = False
-            if self._own_group:
+            if self._own_group and not failed:
                 import torch.distributed as dist
 
                 self._own_group = False

@@ -124,8 +124,12 @@ class CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
         except BaseException:
             # Lightning ends the other ranks only on KeyboardInterrupt; after any other failure of rank 0
             # (e.g. its port is taken) they would wait for it until the process-group timeout
-            self._ivy_strategy.abort_ps()
-            self._end_children()
+            try:
+                self._ivy_strategy.abort_ps()
+            except Exception:  # the error to see is the one rank 0 failed with
+                log.exception("IvyPSStrategy: leaving the PS after rank 0 failed failed too")
+            finally:
+                self._end_children()
             raise
 
     def _end_children(self, grace: float = CHILD_EXIT_GRACE_S) -> None:

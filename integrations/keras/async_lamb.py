@@ -152,7 +152,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: deltas (with error feedback) and pulled values
             cross the wire in bf16, half the bytes (also ``IVYPLUG_PS_WIRE_DTYPE``, ``[tool.ivyplug.ps]``);
             ``"int8"`` / ``"int4"``: deltas block-quantized with error feedback, pulls as int8 differences from the
-            copy last pulled. The pulls at the start, before validation and at the end of ``fit`` are fp32 always.
+            copy last pulled. The pull at the end of ``fit`` is fp32 always (at the start and before validation the
+            pull travels as a step's: later pulls replace it, and validation keeps no model).
         shared_memory: ``True`` (default): deltas and pulls between workers on one host travel in shared
             memory, only their headers over gloo (with a bf16 or int ``wire_dtype``: in fp32, in a job across
             hosts; on one host the wire stays gloo); ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY``).
@@ -377,8 +378,9 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             if self._overlap:
                 logs[f"ivy/rank{rank}/overlap_wait_s"] = float(self._delta.wait_seconds)
 
-    def _meet(self) -> None:
-        """Flush this worker's delta, then every worker pulls the global copy (collective)."""
+    def _meet(self, exact: bool = True) -> None:
+        """Flush this worker's delta, then every worker pulls the global copy (collective; ``exact=False``: in the
+        wire's form, for validation, which keeps no model)."""
         if self._overlap:  # the exchange in flight first: its pull plus the steps taken since
             self._read_in()
             self._delta.finish()
@@ -389,14 +391,14 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
                 self._delta.finish()  # nothing trained since the exchange's write-back: the tensors are current
                 self._write_back()
         with _same_epochs_hint():
-            self.client.sync()
+            self.client.sync(exact=exact)
         self._delta.reset_snapshot()  # overlap: the pulled shadows become the variables' values
         self._write_back()
         self._period.pause()  # what runs next (validation) is no local step
 
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._in_fit and self.client is not None:  # validation inside fit sees the global model
-            self._meet()
+            self._meet(exact=False)
 
 
 @contextlib.contextmanager

@@ -636,17 +636,18 @@ class IvyPSStrategy(DDPStrategy):
         return builtins.all(votes) if all else any(votes)
 
     # ------------------------------------------------------------------ global model at meeting points
-    def _sync(self) -> None:
+    def _sync(self, exact: bool = True) -> None:
+        """Every worker meets and pulls the global model (``PSClient.sync``; ``exact=False``: in the wire's form)."""
         if self._client is not None:
             optimizer = self._local_updates
             if optimizer is not None:
                 optimizer.flush()  # local progress since the last exchange goes to the servers first
-            self._client.sync()
+            self._client.sync(exact=exact)
             if optimizer is not None:
                 optimizer.reset_snapshot()  # the next delta is measured from the global copy just pulled
 
     def on_validation_start(self) -> None:
-        self._sync()
+        self._sync(exact=False)  # validation keeps no model: the pull costs a step's bytes (a checkpoint's is exact)
         super().on_validation_start()
 
     def pull_final_model(self) -> None:

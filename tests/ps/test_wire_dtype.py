@@ -191,10 +191,16 @@ def test_a_finite_gradient_beyond_bf16s_range_counts_as_nonfinite() -> None:
 
 # -- a real wire: a worker of this process against ivyplug serve ------------------------------------------
 def _serve_run(
-    address: str, wire: str, init: torch.Tensor, grads: list[torch.Tensor], later: torch.Tensor | None = None
+    address: str,
+    wire: str,
+    init: torch.Tensor,
+    grads: list[torch.Tensor],
+    later: torch.Tensor | None = None,
+    rounded_sync: bool = False,
 ) -> dict[str, Any]:
     """Join the serve, pull, push ``grads`` (SGD lr 1 on the server), ``sync()``, then push ``later`` (if given);
-    the pulls (``later``'s as ``pulled_later``), the buffer and the traffic up to the sync."""
+    the pulls (``later``'s as ``pulled_later``), the buffer and the traffic up to the sync. ``rounded_sync``: a
+    ``sync(exact=False)`` first (``synced_rounded``)."""
     w = nn.Parameter(init.clone())
     counter = torch.tensor([2**40 + 3], dtype=torch.int64)  # an integer buffer: must travel exactly
     cfg = PSConfig(mode="async", servers=address, token="t0ken", wire_dtype=wire, timeout=60.0)
@@ -208,7 +214,10 @@ def _serve_run(
             client.step(1)
             pulled.append(w.detach().clone())
         after = client.metrics()
-        client.sync()  # a pull that stays (validation, a checkpoint, the returned model)
+        if rounded_sync:  # validation's: a meeting whose pull keeps the wire's form
+            client.sync(exact=False)
+        synced_rounded = w.detach().clone()
+        client.sync()  # a pull that stays (a checkpoint, the returned model)
         synced = w.detach().clone()
         if later is not None:  # a step after it: its pull in the wire's form again
             w.grad = later.clone()
@@ -220,6 +229,7 @@ def _serve_run(
     return {
         "pulled": pulled,
         "synced": synced,
+        "synced_rounded": synced_rounded,
         "pulled_later": pulled_later,
         "counter": int(counter),
         "traffic": traffic,
@@ -231,7 +241,8 @@ def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_ha
     """A serve started without any wire setting (the flag is per request): an fp32 worker, then a bf16 worker
     of the same job continuing from the servers' state; the servers' fp32 master steps by exactly the bf16
     gradient, each step's pull is exactly its bf16 rounding, the integer buffer is exact, and the traffic halves.
-    The pulls that stay, the first (``pull_initial``) and ``sync()``'s, are the fp32 master itself."""
+    The pull that stays, ``sync()``'s, is the fp32 master itself; the first (``pull_initial``) and
+    ``sync(exact=False)``'s (validation's) are its bf16 rounding."""
     from tests.ps.service_harness import serve
 
     gen = torch.Generator().manual_seed(11)
@@ -241,13 +252,13 @@ def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_ha
     with serve("--shards", "1", "--workers", "1", "--token", "t0ken") as s:
         r32 = _serve_run(s.address, "float32", init, grads32)
         later = torch.randn(200, 100, generator=gen)
-        r16 = _serve_run(s.address, "bfloat16", torch.zeros_like(init), grads16, later)  # continues the job
+        r16 = _serve_run(s.address, "bfloat16", torch.zeros_like(init), grads16, later, rounded_sync=True)
     master = init.numpy().astype(np.float32)
     expect32 = [master]
     for g in grads32:
         master = (master - g.numpy()).astype(np.float32)
         expect32.append(master)
-    expect16 = [master]
+    expect16 = [ref_bf16(master)]  # pull_initial: a step's, in bf16
     for g in grads16:
         master = (master - ref_bf16(g.numpy())).astype(np.float32)
         expect16.append(ref_bf16(master))
@@ -256,6 +267,7 @@ def test_against_ivyplug_serve_the_server_applies_the_bf16_gradient_and_bytes_ha
             torch.testing.assert_close(got, torch.from_numpy(want), rtol=0, atol=0, msg=f"pull {step}")
         assert run["counter"] == 2**40 + 3
     torch.testing.assert_close(r16["synced"], torch.from_numpy(master), rtol=0, atol=0)
+    torch.testing.assert_close(r16["synced_rounded"], torch.from_numpy(ref_bf16(master)), rtol=0, atol=0)
     assert not torch.equal(r16["pulled"][-1], r16["synced"])  # the control: a step's pull in bf16 is not the master
     after_sync = (master - ref_bf16(later.numpy())).astype(np.float32)  # and a step after sync() pulls bf16 again
     torch.testing.assert_close(r16["pulled_later"], torch.from_numpy(ref_bf16(after_sync)), rtol=0, atol=0)

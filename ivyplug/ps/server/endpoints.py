@@ -77,7 +77,7 @@ class ShardEndpoint(Protocol):
 
     def pull(self, worker: int, into: Targets | None = None, exact: bool = False) -> PendingReply:
         """The shard's values; ``exact``: in fp32 even over a bf16 or quantized wire (a pull that no later one
-        replaces: the values a worker starts from, validates, saves or returns)."""
+        replaces: the values a worker saves or returns)."""
         ...
 
     def idle(self, worker: int) -> None: ...

@@ -436,12 +436,13 @@ class PSClient:
             raise (PSServerError(text, exc.text) if isinstance(exc, PSServerError) else type(exc)(text)) from exc
 
     def pull_initial(self) -> None:
-        """Replace this rank's params and buffers with the servers' copy (initialised from rank 0), in fp32."""
-        self._pull_all(exact=True)
+        """Replace this rank's params and buffers with the servers' copy (initialised from rank 0), in the wire's
+        form: the steps' pulls replace it (with a bf16 or int wire each rank starts from the copy rounded so)."""
+        self._pull_all()
 
     def _pull_all(self, exact: bool = False) -> None:
         """Pull every shard; ``exact``: in fp32 over a bf16 or quantized wire too (a step's pull, replaced by the
-        next one, travels in the wire's form; a pull that stays, as at start and at ``sync()``, exact)."""
+        next one, travels in the wire's form; a pull that stays, as at ``sync()``, exact)."""
         self._check_open()
         with self._exclusive("a pull"), self._servers_named():
             pending = [
@@ -633,8 +634,12 @@ class PSClient:
         )
         return PushFlag.NONFINITE
 
-    def sync(self) -> None:
-        """Collective: let every in-flight push land, then pull the global params and buffers."""
+    def sync(self, exact: bool = True) -> None:
+        """Collective: let every in-flight push land, then pull the global params and buffers.
+
+        ``exact``: the pull travels in fp32 whatever ``wire_dtype`` says (the model it brings is kept: the end of
+        training, a checkpoint); ``False``: in the wire's form, as a step's pull (validation: the model a meeting
+        checks, within the wire's rounding of the global one, for a bf16 or int wire's bytes)."""
         self._check_open()
         self.end_epoch()  # a worker waiting for this one's batches must reach the barrier too
         with self._exclusive("sync()"):
@@ -642,7 +647,7 @@ class PSClient:
                 for ep in self.topo.endpoints.values():
                     ep.idle(self.rank)
             self.workers.barrier("every worker to reach sync()")
-            self._pull_all(exact=True)
+            self._pull_all(exact=exact)
 
     # -- data dispatch and stop signal ----------------------------------------------------------
     def start_epoch(self, epoch: int, num_batches: int, reserved: int = 0) -> None:

@@ -100,31 +100,52 @@ def test_nonfinite_raise_stops_the_fit_naming_rank_step_and_tensor() -> None:
         quiet_trainer(strategy, devices=2, max_epochs=1).fit(model)
 
 
+class ValidatedBranches(Branches):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.head(self.used(x)), y), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        _, _, x, y = digits_tensors()
+        return DataLoader(TensorDataset(x[:64], y[:64]), batch_size=32)
+
+
+def _flat(module: pl.LightningModule) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in module.state_dict().values()])
+
+
 class SavedAtFitEnd(pl.Callback):
-    """Each rank saves its model's flat values and its checkpoint's state dict when the fit ends."""
+    """Each rank saves its model's flat values when validation starts (after the strategy's pull) and when the fit
+    ends, with its checkpoint's state dict."""
 
     def __init__(self, out: str) -> None:
         self.out = out
+        self.validated: torch.Tensor | None = None
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.validated = _flat(module)
 
     def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        flat = torch.cat([t.detach().reshape(-1) for t in module.state_dict().values()])
         saved = trainer.strategy.lightning_module_state_dict()  # what a checkpoint holds
-        torch.save({"model": flat, "checkpoint": saved}, f"{self.out}/rank{trainer.global_rank}.pt")
+        out = {"model": _flat(module), "checkpoint": saved, "validated": self.validated}
+        torch.save(out, f"{self.out}/rank{trainer.global_rank}.pt")
 
 
 @pytest.mark.parametrize("wire_dtype", ["bfloat16", "int8"])
 def test_a_rounded_wire_returns_and_saves_the_exact_global_model(tmp_path: Any, wire_dtype: str) -> None:
     """Steps' pulls travel rounded, but the pulls that stay (the fit's end, a checkpoint's) are fp32: both ranks
     end with the same model, equal to the checkpoint's, and most of its values are not bf16 numbers (a model
-    pulled in bf16 holds only bf16 numbers in the tensors of the other rank's shard)."""
+    pulled in bf16 holds only bf16 numbers in the tensors of the other rank's shard). The pull before validation,
+    which keeps no model, travels as a step's: each rank validates its own shard exact, the other's rounded."""
     seed_everything(0)
     strategy = IvyPSStrategy(mode="sync", start_method="spawn", timeout=60, wire_dtype=wire_dtype)
     with reaped_children():
         quiet_trainer(strategy, devices=2, max_epochs=1, callbacks=[SavedAtFitEnd(str(tmp_path))]).fit(
-            Branches(optimizer="sgd")
+            ValidatedBranches(optimizer="sgd")
         )
     saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     torch.testing.assert_close(saved[0]["model"], saved[1]["model"], rtol=0, atol=0)
+    assert not torch.equal(saved[0]["validated"], saved[1]["validated"])
     for r in (0, 1):
         for name, value in saved[r]["checkpoint"].items():
             bf16_numbers = float((value.bfloat16().float() == value).float().mean())

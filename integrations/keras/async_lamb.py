@@ -152,8 +152,8 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         wire_dtype: ``"float32"`` (default) or ``"bfloat16"``: deltas (with error feedback) and pulled values
             cross the wire in bf16, half the bytes (also ``IVYPLUG_PS_WIRE_DTYPE``, ``[tool.ivyplug.ps]``);
             ``"int8"`` / ``"int4"``: deltas block-quantized with error feedback, pulls as int8 differences from the
-            copy last pulled. The pull at the end of ``fit`` is fp32 always (at the start and before validation the
-            pull travels as a step's: later pulls replace it, and validation keeps no model).
+            copy last pulled. The pulls before validation and at the end of ``fit`` are fp32 always (Keras's
+            ``ModelCheckpoint`` and ``BackupAndRestore`` save right after validation); the first travels as a step's.
         shared_memory: ``True`` (default): deltas and pulls between workers on one host travel in shared
             memory, only their headers over gloo (with a bf16 or int ``wire_dtype``: in fp32, in a job across
             hosts; on one host the wire stays gloo); ``False``: gloo only (also ``IVYPLUG_PS_SHARED_MEMORY``).
@@ -203,6 +203,9 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
         self._overlap = False
         self._own_group = False
         self._in_fit = False
+        #: a failed fit's client was aborted, its server threads still receive on the process group's subgroups:
+        #: the group stays to the process's end (destroying it shuts them down under those threads)
+        self._loops_left = False
 
     @property
     def exchanges(self) -> int:
@@ -306,20 +309,23 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
     def _stop(self, failed: bool = False) -> None:
         """Close the client and drop the process group this callback made, whatever of them exists. ``failed``: the
         fit ended with an error: leave the PS at once (``PSClient.abort``: no goodbye, the others are told) and keep
-        the process group, whose subgroups the client's server threads may still receive on (the next fit reuses
-        it)."""
+        the process group to the process's end: the client's server threads may still receive on its subgroups (the
+        next fit reuses it)."""
         try:
             if self.client is not None and failed:
-                self.client.abort()
-                if self._delta is not None:
-                    self._delta.close()  # an overlapped exchange in flight ends with the abort
+                self._loops_left = True
+                try:
+                    self.client.abort()
+                finally:
+                    if self._delta is not None:
+                        self._delta.close()  # an overlapped exchange in flight ends with the abort
             elif self.client is not None:
                 with _same_epochs_hint():  # the others' goodbyes: a worker still training sends none
                     self.client.close()
         finally:
             self.client = None
             self._in_fit = False
-            if self._own_group and not failed:
+            if self._own_group and not self._loops_left:
                 import torch.distributed as dist
 
                 self._own_group = False
@@ -378,9 +384,11 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
             if self._overlap:
                 logs[f"ivy/rank{rank}/overlap_wait_s"] = float(self._delta.wait_seconds)
 
-    def _meet(self, exact: bool = True) -> None:
-        """Flush this worker's delta, then every worker pulls the global copy (collective; ``exact=False``: in the
-        wire's form, for validation, which keeps no model)."""
+    def _meet(self) -> None:
+        """Flush this worker's delta, then every worker pulls the global copy, exact (collective): Keras's
+        ``ModelCheckpoint``, ``BackupAndRestore`` and ``EarlyStopping`` keep the weights validation saw, with no
+        hook to pull again before they do (Lightning's checkpoints pull themselves; its validation's pull travels
+        in the wire's form)."""
         if self._overlap:  # the exchange in flight first: its pull plus the steps taken since
             self._read_in()
             self._delta.finish()
@@ -391,14 +399,14 @@ class AsyncLAMBExchange(keras.callbacks.Callback):
                 self._delta.finish()  # nothing trained since the exchange's write-back: the tensors are current
                 self._write_back()
         with _same_epochs_hint():
-            self.client.sync(exact=exact)
+            self.client.sync()
         self._delta.reset_snapshot()  # overlap: the pulled shadows become the variables' values
         self._write_back()
         self._period.pause()  # what runs next (validation) is no local step
 
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._in_fit and self.client is not None:  # validation inside fit sees the global model
-            self._meet(exact=False)
+            self._meet()
 
 
 @contextlib.contextmanager

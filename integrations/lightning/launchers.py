@@ -127,7 +127,7 @@ class CheckedSubprocessScriptLauncher(_SubprocessScriptLauncher):
             try:
                 self._ivy_strategy.abort_ps()
             except Exception:  # the error to see is the one rank 0 failed with
-                log.exception("IvyPSStrategy: leaving the PS after rank 0 failed failed too")
+                log.exception("IvyPSStrategy: rank 0 failed, and leaving the PS then failed too")
             finally:
                 self._end_children()
             raise

@@ -17,7 +17,9 @@ group's collectives (``reduce``/``broadcast``/``barrier`` for ``sync_dist``, ``M
   value clipping (``gradient_clip_algorithm="value"``) too, as DDP clamps the averaged gradient (async/ssp
   clamp each push);
 * before validation, a checkpoint and the end of fit every rank applies in-flight pushes and pulls
-  the global parameters (``PSClient.sync``), so what is validated, saved and returned is the global model;
+  the global parameters (``PSClient.sync``), so what is validated, saved and returned is the global model
+  (validated as the wire brings it: with a bf16 or int ``wire_dtype`` that pull travels as a step's; the
+  others in fp32);
 * in ``async``/``ssp`` mode a worker draws its batches from a queue shared through the PS (a fast worker
   trains more batches), and no collective runs on the default group per batch: Lightning's per-batch
   SIGTERM broadcast is replaced by a stop flag carried by the PS, on-step ``sync_dist`` stays local, and
@@ -819,7 +821,13 @@ class IvyPSStrategy(DDPStrategy):
                         param_states[j] = saved[k]
             if ps_state is None:  # another strategy's: the PS started from its weights (restored before setup)
                 ps_state, _ = self._client.take_param_states(self._client.state_dict())
-            self._client.load_state_dict(ps_state, param_states)
+            try:
+                self._client.load_state_dict(ps_state, param_states)  # (refused alike on every rank, before it meets)
+            except NotPerElement as exc:
+                raise ValueError(
+                    f"IvyPSStrategy cannot resume this checkpoint's optimizer state: {exc}; resume with "
+                    "max_shard_bytes=None (whole tensors on the servers)"
+                ) from exc
         if self._local_updates is not None:
             self._local_updates.reset_snapshot()
 

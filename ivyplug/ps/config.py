@@ -42,7 +42,7 @@ class PSConfig:
     block-quantized, one fp32 scale per 128 values (about 1/3.9 and 1/7.5 of fp32's bytes), with error feedback
     (what rounding leaves out of a push is carried into the next, wire/codecs.py BlockCodec); buffers travel in
     fp32. Pulls travel as the int8 difference (with int4 pushes too) from the copy the worker was last sent,
-    which both ends keep (wire/codecs.py PulledCopy; a step's first pull after the start or a restore in bf16): what one
+    which both ends keep (wire/codecs.py PulledCopy; the first pull, at the start or after a restore, in bf16): what one
     difference rounds away goes out with the next, so a worker's parameters stay within half a step of the
     last difference of the servers'. Each worker's copy costs one fp32 copy of its shards on the worker and
     on each server.

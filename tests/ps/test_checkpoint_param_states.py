@@ -93,15 +93,22 @@ def test_the_state_per_parameter_is_torchs_and_loads_back_either_way(max_shard_b
 
 def test_a_state_that_is_not_per_element_of_a_split_tensor_is_refused_by_name() -> None:
     """Adafactor keeps a row and a column statistic per matrix: cut in row blocks over two shards, they cannot be
-    joined into the whole tensor's (concatenated, the column statistic would double), so the join refuses."""
+    joined into the whole tensor's (concatenated, the column statistic would double), so the join refuses, and so
+    does the cut of a whole tensor's (torch's own, as DDP's checkpoint holds it) into the PS's row blocks."""
     from ivyplug.ps.worker.checkpoint import NotPerElement
 
-    model = mlp(seed=0)
-    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    model, ref = mlp(seed=0), mlp(seed=0)
+    opt, ref_opt = torch.optim.Adafactor(model.parameters(), lr=0.01), torch.optim.Adafactor(ref.parameters(), lr=0.01)
     client = start(model, opt, mode="async", num_servers=2, timeout=30.0, max_shard_bytes=200)
     try:
+        stripped, none_yet = client.take_param_states(client.state_dict())
+        assert none_yet == {}
         _step(model, 0, client=client)
         with pytest.raises(NotPerElement, match=r"of parameter '\d+\.weight', cut in row blocks over the shards"):
             client.take_param_states(client.state_dict())
+        _step(ref, 0, opt=ref_opt)
+        torch_state = {j: ref_opt.state_dict()["state"][k] for k, j in enumerate(_torch_indices(client, opt))}
+        with pytest.raises(NotPerElement, match=r"of parameter '\d+\.weight' is not per element .* cannot be cut"):
+            client.load_state_dict(stripped, torch_state)
     finally:
         client.close()

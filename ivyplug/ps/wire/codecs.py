@@ -165,14 +165,14 @@ class PulledCopy:
     """The copy of a shard's parameters one worker holds, kept alike at both ends, so that pulls can travel as
     int8 block-quantized differences from it (``PSConfig.wire_dtype="int8"`` / ``"int4"``; :data:`PULL_BITS`).
 
-    A step's first pull after the start (and after a restore) travels in bf16, and both ends keep its decoded
-    parameters as the copy ``c`` (the start's own pull, ``sync()``'s and a restore's are exact fp32, and leave
-    ``c`` alone at both ends). Every later pull travels as ``q = Q(x − c)`` (:class:`BlockCodec`, no carried
-    residual; the buffers, its tail, travel as plain fp32) and both ends set ``c ← c + D(q)``: the server in
-    :meth:`encode`, the worker in :meth:`decode`, with the same decoded values, so the two copies stay equal
-    bit for bit. What rounding leaves out of one difference stays in ``x − c`` and travels with the next, so
-    the worker's parameters are never further from the server's than half a step of the last difference
-    (``scale / 2`` per value, the same bound as a push's error feedback) and nothing accumulates.
+    A worker's first pull (``pull_initial``; after a restore, the first step's) travels in bf16, and both ends keep
+    its decoded parameters as the copy ``c`` (``sync()``'s and a restore's own pull are exact fp32, and leave ``c``
+    alone at both ends; ``sync(exact=False)``'s is a step's). Every later pull travels as ``q = Q(x − c)``
+    (:class:`BlockCodec`, no carried residual; the buffers, its tail, travel as plain fp32) and both ends set
+    ``c ← c + D(q)``: the server in :meth:`encode`, the worker in :meth:`decode`, with the same decoded values, so
+    the two copies stay equal bit for bit. What rounding leaves out of one difference stays in ``x − c`` and
+    travels with the next, so the worker's parameters are never further from the server's than half a step of the
+    last difference (``scale / 2`` per value, the same bound as a push's error feedback) and nothing accumulates.
     """
 
     def __init__(self, block: BlockCodec, bf16: Bf16Codec) -> None:

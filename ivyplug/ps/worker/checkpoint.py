@@ -73,11 +73,19 @@ def _optimizer_pieces(plan: ShardPlan, param_group: Sequence[int], shard: int) -
     return [p for g in groups for p in pieces if param_group[p.index] == g]
 
 
-def _row_block(value: Any, piece: Piece, shape: tuple[int, ...]) -> Any:
-    """``piece``'s rows of a per-element state value of a tensor of ``shape``; any other value as it is."""
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == shape:
+def _row_block(value: Any, piece: Piece, shape: tuple[int, ...], name: str, key: str) -> Any:
+    """``piece``'s rows of a per-element state value of a tensor of ``shape``; any other value as it is where the
+    piece is the whole tensor, else refused (:class:`NotPerElement`)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() > 0 and tuple(value.shape) == shape:
         return value[piece.row_start : piece.row_end].clone()
-    return value.clone() if isinstance(value, torch.Tensor) else value
+    if value.dim() > 0 and piece_shape(shape, piece) != shape:
+        raise NotPerElement(
+            f"the optimizer's {key!r} of parameter {name!r} is not per element (shape {tuple(value.shape)} for a "
+            f"tensor of {shape}): it cannot be cut into the row blocks the PS holds that tensor in"
+        )
+    return value.clone()
 
 
 def take_param_states(
@@ -138,7 +146,10 @@ def put_param_states(
         if opt is not None:
             pieces = _optimizer_pieces(plan, param_group, shard)
             own = {
-                k: {key: _row_block(v, piece, plan.specs[piece.index].shape) for key, v in states[piece.index].items()}
+                k: {
+                    key: _row_block(v, piece, plan.specs[piece.index].shape, plan.specs[piece.index].name, key)
+                    for key, v in states[piece.index].items()
+                }
                 for k, piece in enumerate(pieces)
                 if states.get(piece.index)
             }

@@ -525,3 +525,42 @@ def test_a_fit_that_raised_leaves_no_client_open_for_the_next_fit(caplog: pytest
     assert first.closed
     assert exchange.client is None and exchange.exchanges == 5  # the second fit's 10 steps, every 2
     assert [r.message for r in caplog.records if "previous fit ended with an error" in r.message], caplog.text
+
+
+def _bf16_share(model: keras.Model) -> float:
+    """The share of the model's weights that are bf16 numbers (their low 16 bits zero)."""
+    flat = np.concatenate([np.asarray(v.numpy(), dtype=np.float32).ravel() for v in model.trainable_variables])
+    return float(np.mean((flat.view(np.uint32) & 0xFFFF) == 0))
+
+
+class _Shares(keras.callbacks.Callback):
+    """Listed after the exchange: the share of bf16 numbers in the weights it pulled at the start and for
+    validation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shares: dict[str, float] = {}
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.shares["start"] = _bf16_share(self.model)
+
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.shares["validation"] = _bf16_share(self.model)
+
+
+@pytest.mark.timeout(120)
+def test_validation_sees_the_exact_global_model_over_a_bf16_wire() -> None:
+    """Against an ``ivyplug serve`` whose shard is all remote: the first pull travels in bf16 (every weight a bf16
+    number: the control), the pull before validation in fp32, since Keras's ModelCheckpoint, BackupAndRestore and
+    EarlyStopping keep the weights validation saw."""
+    from tests.ps.service_harness import serve
+
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=AsyncLAMB(learning_rate=0.02, sync_every=2), loss="mse")
+    shares = _Shares()
+    with serve("--shards", "1", "--workers", "1", "--token", "t0ken") as s:
+        exchange = AsyncLAMBExchange(servers=s.address, token="t0ken", wire_dtype="bfloat16", timeout=60.0)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, validation_data=(x, y), callbacks=[exchange, shares])
+    assert shares.shares["start"] == 1.0, shares.shares
+    assert shares.shares["validation"] < 0.1, shares.shares

@@ -199,7 +199,7 @@ def test_a_change_the_servers_cannot_follow_warns_once_and_a_new_group_is_refuse
         step()
     opt.param_groups[0]["nesterov"] = True
     opt.param_groups[0]["initial_lr"] = 0.1  # a scheduler created after the start adds it
-    opt.param_groups[0]["foreach"] = None  # the same plain value again: no change
+    opt.param_groups[0]["foreach"] = True  # a kernel choice (LAMB records its resolved one): each server's own
     with pytest.warns(RuntimeWarning) as caught:
         step()
         step()

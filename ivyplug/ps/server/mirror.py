@@ -39,6 +39,11 @@ class _Slot:
     length: int
 
 
+#: Group keys that choose how an optimizer computes its step, not what it computes: each server chooses for its own
+#: tensors (LAMB records its resolved ``foreach``, so a DDP checkpoint's groups differ there from a fresh PS's).
+KERNEL_CHOICES = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
 def _slot_kind(value: Any) -> tuple[str, int] | None:
     if isinstance(value, bool) or value is None:
         return None
@@ -132,7 +137,8 @@ class OptimizerSpec:
         """What changed in ``optimizer``'s groups since start that the servers cannot follow (empty: nothing).
 
         Numeric values travel with every push; a key added since (a scheduler created later, say) and a
-        non-numeric value changed since (``nesterov`` turned on) do not. A group added or removed changes
+        non-numeric value changed since (``nesterov`` turned on) do not; a kernel choice (:data:`KERNEL_CHOICES`)
+        is each server's own. A group added or removed changes
         which parameters the servers step: that raises, since training would silently leave them out.
         """
         live = optimizer.param_groups
@@ -144,7 +150,7 @@ class OptimizerSpec:
         changes = []
         for g, (group, start) in enumerate(zip(live, self.groups, strict=True)):
             for key, value in group.items():
-                if key == "params":
+                if key == "params" or key in KERNEL_CHOICES:
                     continue
                 if key not in start:
                     changes.append(f"param group {g} gained {key!r}")

@@ -708,6 +708,12 @@ class IvyPSStrategy(DDPStrategy):
             state = dict(super().optimizer_state(optimizer))
             if self._ps_closed:  # saved after the fit: the servers' state is gone, the entry holds none of it
                 state[CHECKPOINT_KEY] = None
+                if optimizer is self.optimizers[0]:
+                    log.warning(
+                        "IvyPSStrategy: a checkpoint saved after the PS fit ended holds no optimizer state (the "
+                        "servers held it): IvyPSStrategy will not resume from it, DDP would with a fresh optimizer; "
+                        "save during the fit (ModelCheckpoint) to resume"
+                    )
             return state
         own = optimizer.state_dict()
         first = optimizer is self.optimizers[0]

@@ -78,7 +78,9 @@ def test_accumulate_grad_batches_and_clipping_one_worker_equal_single_process(mo
     assert float(metrics["ivy/rank0/shards_sent_again"]) == 0.0
 
 
-def test_bf16_fit_then_validate_test_predict_and_weights_only_refusal(tmp_path: Path) -> None:
+def test_bf16_fit_then_validate_test_predict_and_weights_only_refusal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     seed_everything(1)
     model = DigitsMLP(hidden=32, lr=0.1, train_size=256, batch_size=32, log_sync_dist=True)
     before = params_of(model)
@@ -108,7 +110,9 @@ def test_bf16_fit_then_validate_test_predict_and_weights_only_refusal(tmp_path: 
     with pytest.raises(ValueError, match="weights-only checkpoint"):
         resumed.fit(DigitsMLP(hidden=32, train_size=256), ckpt_path=weights_only)
     after_fit = tmp_path / "after_fit.ckpt"  # the servers, and their optimizer state, are gone by now
-    trainer.save_checkpoint(after_fit)
+    with caplog.at_level("WARNING"):
+        trainer.save_checkpoint(after_fit)
+    assert "a checkpoint saved after the PS fit ended holds no optimizer state" in caplog.text
     resumed = quiet_trainer(IvyPSStrategy(mode="sync"), devices=1, max_epochs=2)
     with pytest.raises(ValueError, match="saved after the PS fit had ended"):
         resumed.fit(DigitsMLP(hidden=32, train_size=256), ckpt_path=after_fit)

@@ -878,16 +878,14 @@ class PSClient:
         self._failed = True
         if self.topo.local is not None:
             self.topo.local.fail(PSProtocolError(f"rank {self.rank} failed and left the PS"))
-        # a request in flight on another thread (an overlapped exchange) ends with the failure: not waited for long
-        if not self._lock.acquire(timeout=min(ABORT_LOCK_WAIT_S, self.cfg.timeout)):
-            self.closed = True
-            self.stop_early_pushes()
-            self._end_processes_and_heartbeats()  # the groups stay to the process's end: that request uses them
-            return
+        # a request in flight on another thread (an overlapped exchange) ends with the failure: not waited for long;
+        # without the lock the groups stay to the process's end, since that request uses them
+        locked = self._lock.acquire(timeout=min(ABORT_LOCK_WAIT_S, self.cfg.timeout))
         try:
-            self._close()
+            self._close(keep_groups=not locked)
         finally:
-            self._lock.release()
+            if locked:
+                self._lock.release()
 
     def _end_processes_and_heartbeats(self) -> None:
         """Kill the server processes still alive and stop the heartbeats: the goodbye is said (or cannot be)."""
@@ -899,7 +897,9 @@ class PSClient:
             if link is not None and link.heartbeat is not None:
                 link.heartbeat.stop()
 
-    def _close(self) -> None:
+    def _close(self, keep_groups: bool = False) -> None:
+        """Say goodbye (unless this worker failed or cannot reach the servers), end the server processes and
+        heartbeats, destroy the PS groups (``keep_groups``: another thread may still use them)."""
         if self.closed:
             return
         self.closed = True
@@ -949,7 +949,7 @@ class PSClient:
             self._end_processes_and_heartbeats()
         if err is not None:
             raise err
-        if self._failed and any(loop.is_alive() for loop in topo.loops):
+        if keep_groups or (self._failed and any(loop.is_alive() for loop in topo.loops)):
             # without a goodbye this rank's server loops still receive on the PS groups (answering with its shard's
             # failure): a group is not destroyed under a receiving thread; they go with the process
             return

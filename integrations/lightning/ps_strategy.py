@@ -89,6 +89,8 @@ CHECKPOINT_KEY = "ivyplug_ps"
 #: 2: each entry is the optimizer's own state dict as torch writes it (gradient modes: its state per parameter, taken
 #: out of the shards), plus the keys below, so that DDP or a plain loop resumes from it; 1: under "worker_optimizer"
 CHECKPOINT_FORMAT = 2
+#: The first format, still written where the optimizer's state cannot move into the entries (not per element)
+WHOLE_PS_FORMAT = 1
 #: The keys an entry adds to the optimizer's state dict.
 ENTRY_KEYS = ("format", "mode", CHECKPOINT_KEY)
 #: Key of every worker's own local-update optimizer state (AsyncLAMB, LocalUpdates), by rank, in that entry.
@@ -729,7 +731,7 @@ class IvyPSStrategy(DDPStrategy):
                         "IvyPSStrategy: %s; the checkpoint keeps it in the PS state, which DDP cannot read", exc
                     )
         if not self._portable:  # the first format: the PS state whole, the worker's optimizer beside it
-            state = {"format": 1, "mode": self.mode, "worker_optimizer": own}
+            state = {"format": WHOLE_PS_FORMAT, "mode": self.mode, "worker_optimizer": own}
         else:
             state = {**own, "format": CHECKPOINT_FORMAT, "mode": self.mode}
             if isinstance(optimizer, PSOptimizer) and self._local_updates is None:
@@ -810,7 +812,9 @@ class IvyPSStrategy(DDPStrategy):
         for optimizer, entry in zip(self.optimizers, states, strict=True):
             optimizer.load_state_dict(self._own_optimizer_state(optimizer, entry))
         ps_state = state.get(CHECKPOINT_KEY)
-        if self._local_updates is not None or state.get("format") == 1:  # the PS state holds the servers' optimizer
+        if (
+            self._local_updates is not None or state.get("format") == WHOLE_PS_FORMAT
+        ):  # the PS state holds the servers' optimizer
             if ps_state is not None:
                 self._client.load_state_dict(ps_state)  # collective; ends with every rank pulling
             else:

@@ -101,7 +101,7 @@ def take_param_states(
         opt = sh.get("optimizer")
         if opt is not None:
             for k, piece in enumerate(_optimizer_pieces(plan, param_group, shard)):
-                st = opt["state"].get(k, opt["state"].get(str(k)))
+                st = opt["state"].get(k)
                 if st:
                     blocks.setdefault(piece.index, []).append((piece, st))
             sh = {**sh, "optimizer": {**opt, "state": {}}}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import signal
 import time
@@ -15,9 +16,13 @@ import torch
 from ivyplug.ps import PSClient, PSConfig
 from ivyplug.ps.server.endpoints import PSServerError
 from ivyplug.ps.server.service import PSService
+from ivyplug.ps.wire.transport import PSTimeoutError
+from tests.ports import free_port
 from tests.ps.service_harness import result, serve, workers
 
 pytestmark = pytest.mark.timeout(240)
+
+WAITING_LOGGER = "ivyplug.ps.worker.service_link"
 
 
 def test_two_workers_train_then_a_new_run_continues_from_the_live_servers(tmp_path: Path) -> None:
@@ -166,6 +171,58 @@ def test_lone_workers_of_one_serve_are_known_by_their_slots() -> None:
         assert [c.worker for c in clients] == [0, 1]
     finally:
         _close_all(clients, svc)
+
+
+def _epoch(client: PSClient, epoch: int, num_batches: int, until: int | None = None) -> list[int]:
+    """The indices ``client`` is handed in ``epoch`` (its reserved 0 first), at most ``until`` of them."""
+    client.start_epoch(epoch, num_batches, reserved=1)
+    return _more(client, [0], until)
+
+
+def _more(client: PSClient, got: list[int], until: int | None = None) -> list[int]:
+    while until is None or len(got) < until:
+        index = client.next_batch(finished=len(got))
+        if index is None:
+            client.end_epoch()
+            break
+        got.append(index)
+    return got
+
+
+def test_lone_workers_of_one_serve_train_every_batch_of_their_own_epochs() -> None:
+    """Two lone workers (each a job of its own, as with one torchrun per host) are at different epochs of their
+    fits: neither one's start of an epoch may cut the other's short or hand it an index twice. Both shared the
+    service's queue: a worker's epoch start restarted the other's epoch, which then lost its remaining batches."""
+    svc = PSService(1, port=0, num_workers=2, timeout=10, status_every=None, log=lambda line: None)
+    clients: list[PSClient] = []
+    try:
+        clients += [_lone_worker(svc.address, 10), _lone_worker(svc.address, 10)]
+        a, b = clients
+        assert _epoch(a, 0, 6) == list(range(6))
+        half = _epoch(a, 1, 6, until=3)
+        assert _epoch(b, 0, 6) == list(range(6))  # b starts its first epoch while a is in its second
+        assert _more(a, half) == list(range(6))
+        first_b = _epoch(b, 1, 6, until=2)
+        assert _epoch(a, 2, 6) == list(range(6))
+        assert _more(b, first_b) == list(range(6))
+    finally:
+        _close_all(clients, svc)
+
+
+def test_a_worker_waiting_for_a_serve_that_does_not_answer_says_so_once_then_names_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refused connection is tried again until ``timeout`` (a serve being restarted is waited for): after a
+    moment the worker says once that it is waiting, then the error names the reason, once."""
+    address = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    expected = r"no ivyplug serve answered .* within 4 s: nothing listens"
+    with caplog.at_level(logging.WARNING, logger=WAITING_LOGGER), pytest.raises(PSTimeoutError, match=expected) as err:
+        _lone_worker(address, 4)
+    assert 3.5 < time.monotonic() - start < 9
+    waiting = [r.getMessage() for r in caplog.records if "yet" in r.getMessage()]
+    assert len(waiting) == 1 and f"no ivyplug serve answers at {address} yet (connection refused)" in waiting[0]
+    assert str(err.value).count("connection refused") == 1, err.value
 
 
 def test_a_job_with_another_optimizer_is_refused_naming_the_optimizer() -> None:

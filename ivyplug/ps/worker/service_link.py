@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
+import math
 import socket
 import threading
 import time
@@ -30,6 +32,11 @@ from ivyplug.ps.server.endpoints import PSServerError, WireEndpoint, WireStats
 from ivyplug.ps.wire import auth, gloo_net, typed_state
 from ivyplug.ps.wire.messages import Kind, bytes_to_words
 from ivyplug.ps.wire.transport import Channel, PSProtocolError, PSTimeoutError
+
+log = logging.getLogger(__name__)
+
+#: a worker whose serve has not answered for this long says once that it is still trying
+SAY_WAITING_AFTER_S = 2.0
 
 
 class PSJoinRefused(ValueError):
@@ -120,6 +127,7 @@ def _reach(host: str, port: int, deadline: float) -> str | None:
     its timeout, so on its own it names an unreachable service only after about twice the timeout.
     """
     last = ""
+    said_at = time.monotonic() + SAY_WAITING_AFTER_S
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -129,6 +137,15 @@ def _reach(host: str, port: int, deadline: float) -> str | None:
             return None
         except OSError as exc:  # refused (not started yet, or not listening there), no route, no answer
             last = "connection refused" if isinstance(exc, ConnectionRefusedError) else (exc.strerror or str(exc))
+        if time.monotonic() >= said_at:  # a serve being restarted is waited for; a wait that lasts is said, once
+            said_at = math.inf
+            log.warning(
+                "ivyplug PS: no ivyplug serve answers at %s:%d yet (%s); trying again for up to %.0f s more",
+                host,
+                port,
+                last,
+                max(0.0, deadline - time.monotonic()),
+            )
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
@@ -142,7 +159,8 @@ def _store(cfg: PSConfig, within: float | None = None) -> tuple[Any, str]:
 
     def failed(first: str) -> PSTimeoutError:
         why = gloo_net.why_unreachable(host, port)
-        return PSTimeoutError(f"no ivyplug serve answered at {cfg.servers} within {limit:g} s: {why} ({first})")
+        seen = "" if first in why else f" ({first})"
+        return PSTimeoutError(f"no ivyplug serve answered at {cfg.servers} within {limit:g} s: {why}{seen}")
 
     problem = _reach(host, port, deadline)
     if problem is not None:

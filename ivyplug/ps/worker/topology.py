@@ -152,7 +152,8 @@ def external(job: WorkerJob, link: ServiceLink) -> Topology:
     """The shards of an ``ivyplug serve`` (server/service.py), reached over this worker's own pair group.
 
     Rank 0 joins first, so that a new job's shards start from rank 0's values; then the other ranks. A job
-    of several ranks asks for slots 0..W-1 (its ranks); a lone worker takes any free slot.
+    of several ranks asks for slots 0..W-1 (its ranks) and shares the service's batch queue; a lone worker takes
+    any free slot and dispatches its batches from a queue of its own (every batch of each of its epochs).
     """
     cfg, plan, layout, workers, stats = job.cfg, job.plan, job.layout, job.workers, job.stats
     rank, world_size = job.rank, job.world_size
@@ -195,6 +196,11 @@ def external(job: WorkerJob, link: ServiceLink) -> Topology:
     )
     topo.others = others
     topo.loop_ranks = [0]
-    topo.queue_endpoint = WireEndpoint(link.channel, 0, -1, 0, stats)
+    if world_size == 1:
+        # a lone worker is a job of its own, with epochs of its own: the service's queue hands out the epochs of a
+        # job of several ranks, and a lone worker's start of an epoch there would restart another's
+        topo.queue = BatchQueue(1)
+    else:
+        topo.queue_endpoint = WireEndpoint(link.channel, 0, -1, 0, stats)
     workers.barrier(f"every worker to join ivyplug serve at {link.address}")
     return topo

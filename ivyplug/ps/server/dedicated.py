@@ -4,19 +4,22 @@ Rank 0 starts one server process on its host, holding the k shards (service.py),
 that the workers receive through their own group; every worker then joins it as it would join any
 ``ivyplug serve`` (one two-rank gloo group per worker, worker/service_link.py). So a worker that dies leaves the
 others serving, exactly as with an external service. The process ends by itself once every worker of the
-job has left, is terminated when rank 0's interpreter exits without closing the PS (a daemonic child), and
-exits if rank 0 dies (a parent watchdog).
+job has left, is killed when rank 0's interpreter exits without closing the PS (an atexit hook), and exits if
+rank 0 dies (a parent watchdog).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import atexit
+import contextlib
 import os
+import select
 import socket
+import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from pathlib import Path
 
 from ivyplug.settings import PS_HOST_ENV as HOST_ENV
 
@@ -56,8 +59,8 @@ def _log(line: str) -> None:
         print(f"[ivyplug.ps] {line}", file=sys.stderr, flush=True)
 
 
-def serve(host: str, num_shards: int, num_workers: int, token: str, timeout: float, parent_pid: int, conn: Any) -> None:
-    """Main of the server process: report the port to rank 0, serve until every worker has left."""
+def serve(host: str, num_shards: int, num_workers: int, token: str, timeout: float, parent_pid: int) -> None:
+    """Main of the server process: report the port to rank 0 on stdout, serve until every worker has left."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     from ivyplug.ps.server.service import ListenError, PSService
 
@@ -73,9 +76,10 @@ def serve(host: str, num_shards: int, num_workers: int, token: str, timeout: flo
             log=_log,
         )
     except ListenError as exc:
-        raise ListenError(f"{exc}: the job's dedicated servers listen on ${HOST_ENV}, else $MASTER_ADDR") from None
-    conn.send_bytes(str(service.port).encode())  # bytes, not a pickled object
-    conn.close()
+        _report(f"error {exc}: the job's dedicated servers listen on ${HOST_ENV}, else $MASTER_ADDR")
+        os._exit(1)
+    _report(f"port {service.port}")
+    os.dup2(2, 1)  # from here on what it prints goes to stderr: nobody reads the pipe any more
     service.emptied.wait()
     print("[ivyplug.ps] dedicated server: every worker of its job has left, exiting", file=sys.stderr, flush=True)
     service.close()
@@ -86,29 +90,92 @@ def serve(host: str, num_shards: int, num_workers: int, token: str, timeout: flo
     os._exit(0)
 
 
-def launch(host: str, num_shards: int, num_workers: int, token: str, timeout: float) -> tuple[Any, int]:
-    """Start the server process (on rank 0); returns it and the port its store listens on."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=serve,
-        args=(host, num_shards, num_workers, token, timeout, os.getpid(), child),
-        name="ivyplug-ps-server",
-        # daemonic: if rank 0's interpreter exits without close() (an exception in user code), its
-        # multiprocessing atexit hook terminates the server; a non-daemon child would be joined there forever
-        daemon=True,
-    )
-    proc.start()
-    child.close()
-    try:
-        if not parent.poll(timeout):
-            raise TimeoutError(f"the dedicated server process did not start within {timeout:g} s")
-        port = int(parent.recv_bytes(64).decode())
-    except (EOFError, OSError, ValueError) as exc:
+def _report(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+class ServerProcess:
+    """The server process as rank 0 holds it (the calls of a ``multiprocessing.Process`` that it needs)."""
+
+    name = "ivyplug-ps-server"
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+        if not self.is_alive():
+            _started.discard(self)
+
+
+#: the server processes started by this interpreter and not yet seen to have ended
+_started: set[ServerProcess] = set()
+
+
+@atexit.register
+def _end_started() -> None:
+    """Rank 0's interpreter exits without having closed the PS (an exception in user code): its server goes too."""
+    for proc in list(_started):
+        proc.kill()
         proc.join(5)
-        raise RuntimeError(f"the dedicated server process failed to start (exit code {proc.exitcode})") from exc
+
+
+def launch(host: str, num_shards: int, num_workers: int, token: str, timeout: float) -> tuple[ServerProcess, int]:
+    """Start the server process (on rank 0); returns it and the port its store listens on.
+
+    A fresh interpreter runs this module (``python -m``), not a ``multiprocessing`` spawn: a spawned child imports
+    the parent's main script again, and a training script without an ``if __name__ == "__main__":`` guard (which
+    torchrun and DDP do not need) would start a second fit in the server process. The token travels on stdin,
+    never on the command line, where every user of the machine can read it.
+    """
+    cmd = [sys.executable, "-m", "ivyplug.ps.server.dedicated", host, str(num_shards), str(num_workers)]
+    cmd += [repr(float(timeout)), str(os.getpid())]
+    env = dict(os.environ)
+    root = Path(__file__).resolve().parents[3]
+    if root.name not in ("site-packages", "dist-packages"):  # a checkout a script may have put on sys.path itself
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    proc = ServerProcess(popen)
+    _started.add(proc)
+    try:
+        assert popen.stdin is not None and popen.stdout is not None
+        popen.stdin.write(token.encode() + b"\n")
+        popen.stdin.close()
+        ready, _, _ = select.select([popen.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"the dedicated server process did not start within {timeout:g} s")
+        line = popen.stdout.readline().decode(errors="replace").strip()
+        popen.stdout.close()
+        if line.startswith("port "):
+            return proc, int(line.split()[1])
+        proc.join(5)
+        said = line.removeprefix("error ") if line.startswith("error ") else "see its error above on stderr"
+        raise RuntimeError(f"the dedicated server process failed to start (exit code {proc.exitcode}): {said}")
     except BaseException:
         proc.kill()
         proc.join(5)
         raise
-    return proc, port
+
+
+def main(argv: list[str]) -> None:
+    host, num_shards, num_workers, timeout, parent_pid = argv
+    token = sys.stdin.readline().strip()
+    serve(host, int(num_shards), int(num_workers), token, float(timeout), int(parent_pid))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

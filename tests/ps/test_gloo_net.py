@@ -55,6 +55,28 @@ def test_interface_for_sets_the_variable_only_while_torch_builds_groups(monkeypa
     assert os.environ[IFNAME_ENV] == "eth9"
 
 
+def test_a_loopback_interface_named_toward_another_host_is_refused_before_torch_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``GLOO_SOCKET_IFNAME=lo`` in a job whose rendezvous host is elsewhere: torch's groups would advertise
+    127.0.0.1 and the other hosts' ranks wait until their timeout; refused at once, naming the setting. Loopback
+    toward a rendezvous on this host (a job on one host) stays allowed."""
+    monkeypatch.setenv(IFNAME_ENV, "lo")
+    with (
+        pytest.raises(gloo_net.PSAddressError, match=r"127\.0\.0\.1 \(chosen by GLOO_SOCKET_IFNAME=lo\).*192\.0\.2\.1"),
+        gloo_net.interface_for("192.0.2.1"),
+    ):
+        pass
+    with gloo_net.interface_for("127.0.0.1") as name:
+        assert name == "lo"
+    local = gloo_net.route_address("192.0.2.1")  # an address of this host, not loopback
+    with gloo_net.interface_for(local) as name:
+        assert name == "lo"
+    monkeypatch.setenv(IFNAME_ENV, "eth9")  # no such interface: torch's own error names it
+    with gloo_net.interface_for("192.0.2.1") as name:
+        assert name == "eth9"
+
+
 def test_dedicated_servers_on_loopback_are_refused_for_a_worker_on_another_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -172,8 +172,14 @@ def devices(peer: str | None) -> list[Any]:
 def interface_for(rendezvous_host: str | None) -> Iterator[str | None]:
     """While torch builds gloo groups: ``GLOO_SOCKET_IFNAME`` set to the interface that reaches
     ``rendezvous_host``, unless it is set already, the host is loopback or unknown, or no interface holds
-    the route's address; restored afterwards. Yields the interface in effect (None: gloo's default)."""
-    if env_interfaces() or not rendezvous_host or is_wildcard(rendezvous_host) or is_loopback(rendezvous_host):
+    the route's address; restored afterwards. Yields the interface in effect (None: gloo's default).
+
+    A ``GLOO_SOCKET_IFNAME`` that names a loopback interface while the rendezvous host is another host is
+    refused (PSAddressError): the ranks elsewhere would connect to their own loopback and wait until timeout."""
+    names = env_interfaces()
+    if names and rendezvous_host and not is_wildcard(rendezvous_host) and not is_local(rendezvous_host):
+        _check_env_reaches(names[0], rendezvous_host)
+    if names or not rendezvous_host or is_wildcard(rendezvous_host) or is_loopback(rendezvous_host):
         yield os.environ.get(IFNAME_ENV) or None
         return
     try:
@@ -189,3 +195,24 @@ def interface_for(rendezvous_host: str | None) -> Iterator[str | None]:
     finally:
         if os.environ.get(IFNAME_ENV) == name:
             del os.environ[IFNAME_ENV]
+
+
+def _check_env_reaches(name: str, rendezvous_host: str) -> None:
+    """PSAddressError if interface ``name`` (from ``GLOO_SOCKET_IFNAME``) is loopback and ``rendezvous_host`` is
+    not; an interface without an address is left to torch's own error."""
+    try:
+        bound = interface_address(name)
+    except PSAddressError:
+        return
+    try:
+        better = interface_of(route_address(rendezvous_host))
+    except PSAddressError:
+        better = None
+    instead = f" ({better} here reaches it)" if better is not None else ""
+    check_reaches(
+        bound,
+        f"{IFNAME_ENV}={os.environ[IFNAME_ENV]}",
+        rendezvous_host,
+        "the job's rendezvous host (MASTER_ADDR)",
+        f"set {IFNAME_ENV} to the interface that reaches {rendezvous_host}{instead}, or unset it",
+    )

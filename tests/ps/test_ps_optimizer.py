@@ -77,6 +77,63 @@ def test_a_gan_s_two_optimizers_step_through_the_ps_as_torch_steps_them() -> Non
         client.close()
 
 
+@pytest.mark.parametrize(
+    ("width", "cfg"),
+    [
+        (6, {"mode": "sync"}),
+        # a server process over gloo, the generator's 1024x1024 weight received in place (wire/segments.py)
+        (1024, {"mode": "async", "num_servers": 1, "shared_memory": False, "timeout": 60}),
+    ],
+)
+def test_a_step_of_one_optimizer_leaves_the_others_parameters_and_their_graph_alone(
+    width: int, cfg: dict[str, Any]
+) -> None:
+    """The usual DCGAN order: ``fake = G(z)``, the discriminator's step on ``fake.detach()``, then the generator's
+    loss on the same ``fake``. The discriminator's step must not write the generator's parameters, whose autograd
+    versions that graph checks; its reply wrote every parameter, and the generator's backward raised "modified by
+    an inplace operation". Each step still equals torch's own optimizers stepped in the same order."""
+
+    def gan() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        hidden = 1024 if width > 6 else 8
+        g = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, width))
+        return g, nn.Sequential(nn.Linear(width, 5), nn.Linear(5, 1))
+
+    bce = nn.functional.binary_cross_entropy_with_logits
+    (g, d), (ref_g, ref_d) = gan(), gan()
+    opt_g, opt_d = _adams(g, d)
+    ref_opt_g, ref_opt_d = _adams(ref_g, ref_d)
+    client = PSClient.start(PSConfig(**cfg), _named(g, d), optimizer=served_optimizer([opt_g, opt_d]))
+    try:
+        client.pull_initial()
+        ps_g, ps_d = PSOptimizer(opt_g, client), PSOptimizer(opt_d, client)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            real, z = torch.randn(8, width, generator=gen), torch.randn(8, 4, generator=gen)
+            for model_g, model_d, o_g, o_d in ((g, d, ps_g, ps_d), (ref_g, ref_d, ref_opt_g, ref_opt_d)):
+                fake = model_g(z)
+                o_d.zero_grad()
+                d_loss = bce(model_d(real), torch.ones(8, 1)) + bce(model_d(fake.detach()), torch.zeros(8, 1))
+                d_loss.backward()
+                before = [(p._version, p.detach().clone()) for p in model_g.parameters()]
+                o_d.step()
+                after = [(p._version, p.detach()) for p in model_g.parameters()]
+                assert [v for v, _ in after] == [v for v, _ in before]
+                torch.testing.assert_close([t for _, t in after], [t for _, t in before], rtol=0, atol=0)
+                o_g.zero_grad()
+                bce(model_d(fake), torch.ones(8, 1)).backward()  # through the graph built before o_d.step()
+                o_g.step()
+            for p, q in zip(
+                [*g.parameters(), *d.parameters()], [*ref_g.parameters(), *ref_d.parameters()], strict=True
+            ):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            moved = [float((p - q).abs().max()) for p, q in zip(g.parameters(), gan()[0].parameters(), strict=True)]
+        assert min(moved) > 1e-3  # the generator trained
+    finally:
+        client.close()
+
+
 def test_step_runs_the_closure_and_a_scheduler_on_the_wrapped_optimizer_works() -> None:
     """One optimizer (the served one): ``step(closure)`` returns the closure's loss; a StepLR bound to the wrapped
     SGD changes the servers' learning rate and warns of nothing; the worker's SGD keeps no state of its own."""

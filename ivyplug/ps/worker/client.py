@@ -136,6 +136,8 @@ class PSClient:
         #: backward's gradient hooks that send each shard's data early (PSConfig.overlap_backward), else None
         self.early: EarlyPush | None = None
         self._scales_pushes = False  # async/ssp clipping rescales every push at the step: nothing to send early
+        #: in the step of one of several optimizers, the indices of its parameters: the only ones its reply writes
+        self._write_only: set[int] | None = None
         self._shm_failed = False  # a shared-memory region could not be made: warned once, every shard on gloo
         self._spans: bool | None = None  # whether the job's workers run on several hosts (_spans_hosts), once asked
         # the number of the last push (wire/push.py): from the start time in µs, so that a restarted worker's
@@ -392,7 +394,7 @@ class PSClient:
             staleness.append(r.staleness)
             grad_sq += r.grad_sq
             try:
-                self.layout.unpack(s, r.snapshot, r.placed)
+                self.layout.unpack(s, r.snapshot, r.placed, self._write_only)
             finally:
                 r.release()  # a co-located shard lent its state: it may write it again
         self._flush_sends()
@@ -501,7 +503,9 @@ class PSClient:
 
     @contextlib.contextmanager
     def _only(self, params: Collection[torch.Tensor] | None) -> Iterator[None]:
-        """Hide the gradients of the parameters outside ``params`` (None: none hidden) while a step packs them."""
+        """Hide the gradients of the parameters outside ``params`` (None: none hidden) while a step packs them, and
+        write its reply into ``params`` only: the others keep their values and autograd versions until their own
+        optimizer's step pulls them, as a torch optimizer leaves the parameters it does not hold."""
         if params is None:
             yield
             return
@@ -511,9 +515,11 @@ class PSClient:
         hidden = [(p, p.grad) for _, p in self.params if id(p) not in keep and p.grad is not None]
         for p, _ in hidden:
             p.grad = None
+        self._write_only = {i for i, (_, p) in enumerate(self.params) if id(p) in keep}
         try:
             yield
         finally:
+            self._write_only = None
             for p, grad in hidden:
                 p.grad = grad
 
@@ -576,7 +582,9 @@ class PSClient:
 
     def _reply_targets(self, shard: int) -> list[torch.Tensor | None] | None:
         """Where shard ``shard``'s reply parts are received in place, when its wire is cut (wire/segments.py)."""
-        return self.layout.reply_targets(shard) if self.topo.endpoints[shard].segments is not None else None
+        if self.topo.endpoints[shard].segments is None:
+            return None
+        return self.layout.reply_targets(shard, self._write_only)
 
     def _arm_early(self) -> None:
         """Let the next backward send early, unless that would only repeat what the step sends anyway."""

@@ -12,7 +12,7 @@ a synchronous copy from pageable memory).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -171,14 +171,20 @@ class FlatLayout:
             parts.append(view)
         return parts
 
-    def reply_targets(self, shard: int) -> list[torch.Tensor | None]:
+    def reply_targets(self, shard: int, only: Collection[int] | None = None) -> list[torch.Tensor | None]:
         """Per segment of ``shard``'s cut, the parameter (part) its reply part can be received into in place,
-        else None (received into the reply buffer, then unpacked)."""
+        else None (received into the reply buffer, then unpacked). ``only``: see :meth:`unpack`."""
         pieces = self.plan.pieces[shard]
         return [
-            self._in_place(pieces[seg.piece], grad=False) if seg.piece is not None else None
+            self._in_place(pieces[seg.piece], grad=False)
+            if seg.piece is not None and self._writes(pieces[seg.piece].index, only)
+            else None
             for seg in self.segments[shard]
         ]
+
+    def _writes(self, index: int, only: Collection[int] | None) -> bool:
+        """Whether a reply writes tensor ``index``: every buffer, and the parameters in ``only`` (None: all)."""
+        return only is None or index >= len(self.params) or index in only
 
     def _in_place(self, piece: Piece, grad: bool) -> torch.Tensor | None:
         """The flat view of ``piece`` in its parameter's ``.grad`` (``grad``) or in the parameter itself, when
@@ -198,25 +204,35 @@ class FlatLayout:
         """The buffer :meth:`pack` last filled for ``shard``."""
         return self._push_bufs[shard]
 
-    def unpack(self, shard: int, flat: torch.Tensor, placed: Sequence[int] = ()) -> None:
+    def unpack(
+        self, shard: int, flat: torch.Tensor, placed: Sequence[int] = (), only: Collection[int] | None = None
+    ) -> None:
         """Write a reply (``shard``'s params then buffers) into this worker's tensors, but for the pieces
-        of the segments at positions ``placed`` of its cut (received in place)."""
+        of the segments at positions ``placed`` of its cut (received in place).
+
+        ``only``: the indices of the parameters to write (the step of one of several optimizers), None: all. The
+        others are left untouched, their autograd versions too: a graph built before this step may still hold
+        them (a GAN's generator output, whose backward follows the discriminator's step)."""
         skip = {self.segments[shard][i].piece for i in placed}
         device = self.staging_device(shard)
         if device is not None and not skip:
             staged = self._staged_buf(shard, "reply", device)
             staged.copy_(flat, non_blocking=True)  # the one host-to-device copy of the shard
-            self._unpack_pieces(shard, staged, skip)
+            self._unpack_pieces(shard, staged, skip, only)
             _wait_for(device)  # done reading ``flat``: the next reply may be received into it
             return
-        self._unpack_pieces(shard, flat, skip)
+        self._unpack_pieces(shard, flat, skip, only)
 
-    def _unpack_pieces(self, shard: int, flat: torch.Tensor, skip: set[int | None]) -> None:
+    def _unpack_pieces(
+        self, shard: int, flat: torch.Tensor, skip: set[int | None], only: Collection[int] | None
+    ) -> None:
         with torch.no_grad():
             for i, p in enumerate(self.plan.pieces[shard]):
                 t = self.tensor(p.index)
                 if i in skip:  # written by the receive itself: autograd must still see the change
                     torch.autograd.graph.increment_version(t)
+                    continue
+                if not self._writes(p.index, only):
                     continue
                 spec = self.plan.specs[p.index]
                 if not p.is_float:  # int64 bits, exact (cloned: a view needs 8-byte alignment)

@@ -295,6 +295,7 @@ class IvyPSStrategy(DDPStrategy):
         """Refuse, before any worker starts, a fit this strategy cannot run (``ValueError``)."""
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        self._refuse_unsupported(trainer)
         problems: list[str] = []
         if self.is_async:
             problems += per_step_collective_problems(trainer)
@@ -308,6 +309,23 @@ class IvyPSStrategy(DDPStrategy):
                     if self.is_async
                     else "."
                 )
+            )
+
+    def _refuse_unsupported(self, trainer: Any) -> None:
+        """What no mode of the PS can run (ValueError): loss scaling, and a callback that adds param groups."""
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "IvyPSStrategy does not support loss scaling (precision='16-mixed'); use 'bf16-mixed' or 32"
+            )
+        from lightning.pytorch.callbacks import BackboneFinetuning
+
+        adding = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BackboneFinetuning)]
+        if adding:
+            raise ValueError(
+                f"IvyPSStrategy cannot run {adding[0]}: it adds the backbone's parameters to the optimizer as a new "
+                "param group during the fit, and the servers' copy of the optimizer is fixed when the PS starts. "
+                "Put every parameter in the optimizer from the start and freeze the backbone with "
+                "requires_grad_(False) until it should train (a parameter without a gradient is not stepped)"
             )
 
     # ------------------------------------------------------------------ setup / teardown
@@ -342,10 +360,7 @@ class IvyPSStrategy(DDPStrategy):
             )
         if len(optimizers) > 1 and self.ps_config.overlap_backward:
             raise ValueError("overlap_backward=True pushes every gradient at backward: use it with one optimizer")
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "IvyPSStrategy does not support loss scaling (precision='16-mixed'); use 'bf16-mixed' or 32"
-            )
+        self._refuse_unsupported(trainer)  # (also where no launcher of ivyplug checked it before spawning)
         from ivyplug.ps import PSClient
 
         # local updates (AsyncLAMB): the worker steps and pushes deltas itself; the servers run its outer optimizer

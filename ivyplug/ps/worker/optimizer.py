@@ -157,7 +157,9 @@ class PSOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ValueError(
             "PSOptimizer cannot take a new param group: the servers' mirror of the optimizer is fixed when the PS "
-            "starts (add the group before starting it)"
+            "starts (add the group before starting it; to train some parameters later, as fine-tuning callbacks "
+            "do, put them in the optimizer from the start and freeze them with requires_grad_(False): a parameter "
+            "without a gradient is not stepped)"
         )
 
     def __repr__(self) -> str:

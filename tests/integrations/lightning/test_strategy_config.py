@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from ivyplug.integrations.lightning import IvyPSStrategy
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from lightning.pytorch.plugins import MixedPrecision
 
 from .digits import DigitsMLP
 
@@ -82,6 +84,14 @@ def _trainer(mode: str, **kwargs: Any) -> Trainer:
         ("async", {"sync_batchnorm": True}, DigitsMLP, "sync_batchnorm"),
         ("async", {"max_steps": 10, "min_epochs": 2}, DigitsMLP, "max_steps together with min_steps/min_epochs"),
         ("ssp", {"max_steps": 10, "min_steps": 5}, DigitsMLP, "max_steps together with min_steps/min_epochs"),
+        # in any mode: it refused these only after both workers had started
+        ("sync", {"callbacks": [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]}, DigitsMLP, "BackboneFinetuning"),
+        (
+            "async",
+            {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]},
+            DigitsMLP,
+            "does not support loss scaling",
+        ),
     ],
 )
 def test_fit_refused_before_spawning(

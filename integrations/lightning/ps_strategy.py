@@ -827,6 +827,18 @@ class IvyPSStrategy(DDPStrategy):
         for optimizer, entry in zip(self.optimizers, states, strict=True):
             optimizer.load_state_dict(self._own_optimizer_state(optimizer, entry))
         ps_state = state.get(CHECKPOINT_KEY)
+        why = self._client.mismatch(ps_state) if ps_state is not None else None
+        if why is not None and state.get("format") != WHOLE_PS_FORMAT:
+            # another job's shards (their number, the plan, the workers): the entries resume as another strategy's
+            carried = (
+                "the local optimizers carry over, the servers' outer optimizer starts afresh"
+                if self._local_updates is not None
+                else "the optimizer's state per parameter carry over, the servers' version and clocks start afresh"
+            )
+            rank_zero_warn(
+                f"IvyPSStrategy: {why}. It resumes as another strategy's checkpoint: the weights and {carried}"
+            )
+            ps_state = None
         if (
             self._local_updates is not None or state.get("format") == WHOLE_PS_FORMAT
         ):  # the PS state holds the servers' optimizer

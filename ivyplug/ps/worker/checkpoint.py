@@ -3,7 +3,8 @@
 A state holds every shard's params, buffers, optimizer state, version and clocks, plus the mode and
 topology of the job that wrote it. It resumes in another mode (params, buffers and optimizer state carry
 over; clocks mean something else per mode, so every worker restarts at the saved version); another number
-of shards or workers, or another model, is refused with an error naming both jobs.
+of shards or workers, or another model, is refused with an error naming both jobs (:func:`mismatch`: a caller
+that holds the optimizer's state per parameter, as the Lightning strategy's checkpoints do, loads that instead).
 """
 
 from __future__ import annotations
@@ -44,19 +45,27 @@ def describe(state: dict[str, Any]) -> str:
     return f"mode {state.get('mode')!r}, {workers} workers, {state.get('num_shards')} shards ({where})"
 
 
-def shards_to_load(state: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """The per-shard states to load into the job described by ``meta`` (ValueError if it cannot resume)."""
+def mismatch(state: Any, meta: dict[str, Any]) -> str | None:
+    """Why ``state`` cannot be loaded as it is into the job described by ``meta`` (None: it can)."""
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"not a PS state dict of this ivyplug (format {found!r}, expected {STATE_FORMAT!r})")
+        return f"not a PS state dict of this ivyplug (format {found!r}, expected {STATE_FORMAT!r})"
     saved, here = describe(state), describe(meta)
     if state["num_shards"] != meta["num_shards"] or state["plan_signature"] != meta["plan_signature"]:
-        raise ValueError(
-            f"cannot resume: the PS state was saved by a job with {saved}, this job has {here}; the shard plan "
-            "differs: another model, number of shards or max_shard_bytes (resume with the same ones)"
+        return (
+            f"the PS state was saved by a job with {saved}, this job has {here}; the shard plan differs: another "
+            "model, number of shards or max_shard_bytes"
         )
     if state.get("num_workers", meta["num_workers"]) != meta["num_workers"]:
-        raise ValueError(f"cannot resume: the PS state was saved by a job with {saved}, this job has {here}")
+        return f"the PS state was saved by a job with {saved}, this job has {here}"
+    return None
+
+
+def shards_to_load(state: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-shard states to load into the job described by ``meta`` (ValueError if it cannot resume)."""
+    why = mismatch(state, meta)
+    if why is not None:
+        raise ValueError(f"cannot resume: {why} (resume with the same ones)")
     convert = state["mode"] != meta["mode"]
     return [dict(sh, reset_clocks=True) if convert else sh for sh in state["shards"]]
 

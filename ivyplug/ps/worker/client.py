@@ -792,6 +792,11 @@ class PSClient:
         servers = self.plan.num_shards if self.cfg.servers is not None else self.cfg.num_servers
         return checkpoint.job_meta(self.cfg.mode, servers, self.num_workers, self.plan)
 
+    def mismatch(self, state: Any) -> str | None:
+        """Why ``state`` (a :meth:`state_dict`) cannot be loaded as it is into this job (None: it can): another
+        number of shards or workers, another shard plan."""
+        return checkpoint.mismatch(state, self._meta())
+
     def state_dict(self) -> dict[str, Any]:
         """Collective: every shard's params, buffers, optimizer state, version and clocks (on every rank)."""
         self._check_open()

@@ -141,6 +141,24 @@ def test_an_ivy_ps_checkpoint_resumes_under_ddp_and_a_ddp_checkpoint_under_ivy_p
     assert max_abs_diff(ps_resumed, sync_run.params) <= 1e-5
 
 
+def test_a_checkpoint_resumes_under_another_number_of_servers(sync_run: SyncRun) -> None:
+    """The run's checkpoint (a shard on each of the 2 workers) resumed with one dedicated server holding the whole
+    model: the shard plan differs, so the PS state cannot load as it is (it was refused); the entries' weights and
+    per-parameter state (SGD's momentum) resume as from another strategy's checkpoint, to the uninterrupted run."""
+    seed_everything(0)  # the run's sampler seed (PL_GLOBAL_SEED), as in the uninterrupted run
+    torch.manual_seed(123)
+    resumed = _model()  # another initialisation: everything must come from the checkpoint
+    with reaped_children():
+        quiet_trainer(
+            IvyPSStrategy(mode="sync", num_servers=1, start_method="spawn", timeout=60),
+            devices=2,
+            max_epochs=EPOCHS,
+            gradient_clip_val=0.5,
+            limit_val_batches=0,
+        ).fit(resumed, ckpt_path=sync_run.checkpoints / "epoch=1.ckpt")
+    assert max_abs_diff(params_of(resumed), sync_run.params) <= 1e-5
+
+
 def _lamb_with_step_lr(m: Any) -> tuple[torch.optim.Optimizer, Any]:
     from ivyplug.optim import LAMB
 

@@ -14,6 +14,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from ivyplug.ps.server import dedicated
 from tests.ps.diffs import max_abs_diff as _max_abs_diff
 
 
@@ -47,9 +48,13 @@ class SpawnedDDP(DDPStrategy):
 def reaped_children() -> Iterator[None]:
     """End every child process this block started, even when it fails or times out."""
     before = {p.pid for p in multiprocessing.active_children()}
+    servers_before = set(dedicated._started)
     try:
         yield
     finally:
+        for server in set(dedicated._started) - servers_before:  # a dedicated server process of this block's rank 0
+            server.kill()
+            server.join(5)
         for p in multiprocessing.active_children():
             if p.pid not in before:
                 p.terminate()

@@ -112,3 +112,23 @@ def test_a_state_that_is_not_per_element_of_a_split_tensor_is_refused_by_name() 
             client.load_state_dict(stripped, torch_state)
     finally:
         client.close()
+
+
+def test_a_state_of_another_job_is_named_and_one_of_no_job_is_refused() -> None:
+    """``mismatch`` says why a PS state cannot load as it is (the Lightning strategy then resumes from the
+    entries' per-parameter state); a dict that is no PS state at all is refused, not taken for another job's."""
+    torch.manual_seed(0)
+    model = mlp(seed=0)
+    client = start(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), mode="sync")
+    try:
+        state = client.state_dict()
+        assert client.mismatch(state) is None
+        other = {**state, "num_shards": state["num_shards"] + 1}
+        assert "the shard plan differs" in (client.mismatch(other) or "")
+        more = {**state, "num_workers": state["num_workers"] + 1}
+        assert f"{state['num_workers'] + 1} workers" in (client.mismatch(more) or "")
+        for bad in ({**state, "format": "ivyplug.ps/1"}, {"state": {}}, None):
+            with pytest.raises(ValueError, match="not a PS state dict of this ivyplug"):
+                client.mismatch(bad)
+    finally:
+        client.close()

@@ -94,3 +94,23 @@ def test_a_server_that_cannot_listen_says_why_in_rank_0s_error() -> None:
     with pytest.raises(RuntimeError, match=r"failed to start \(exit code 1\): .*IVYPLUG_PS_HOST"):
         dedicated.launch("192.0.2.77", 1, 1, secrets.token_hex(16), 60)
     assert _server_children() == []
+
+
+def test_the_port_line_is_found_after_other_output_and_a_partial_line_times_out(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """What the server prints before its port (a site hook, a banner) goes on to stderr instead of failing the
+    start; a line that never ends is bounded by the start's timeout."""
+    read, write = os.pipe()
+    try:
+        os.write(write, b"a banner\nport 4242\n")
+        assert dedicated._report_line(read, time.monotonic() + 5, 5) == "port 4242"
+        assert "a banner" in capfd.readouterr().err
+        os.write(write, b"port 43")  # no newline, ever
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"did not start within 0\.3 s"):
+            dedicated._report_line(read, time.monotonic() + 0.3, 0.3)
+        assert time.monotonic() - start < 3
+    finally:
+        os.close(read)
+        os.close(write)

@@ -77,6 +77,17 @@ def test_a_gan_s_two_optimizers_step_through_the_ps_as_torch_steps_them() -> Non
         client.close()
 
 
+class _Masked(nn.Module):
+    """Multiplies by a constant mask buffer, which backward reads (saved by the multiplication)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("mask", (torch.arange(n) % 3 != 0).float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask
+
+
 @pytest.mark.parametrize(
     ("width", "cfg"),
     [
@@ -90,20 +101,22 @@ def test_a_step_of_one_optimizer_leaves_the_others_parameters_and_their_graph_al
 ) -> None:
     """The usual DCGAN order: ``fake = G(z)``, the discriminator's step on ``fake.detach()``, then the generator's
     loss on the same ``fake``. The discriminator's step must not write the generator's parameters, whose autograd
-    versions that graph checks; its reply wrote every parameter, and the generator's backward raised "modified by
-    an inplace operation". Each step still equals torch's own optimizers stepped in the same order."""
+    versions that graph checks, nor a buffer it did not change (the generator's mask, which backward reads); its
+    reply wrote every parameter, and the generator's backward raised "modified by an inplace operation". Each step
+    still equals torch's own optimizers stepped in the same order."""
 
     def gan() -> tuple[nn.Module, nn.Module]:
         torch.manual_seed(0)
         hidden = 1024 if width > 6 else 8
-        g = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, width))
+        g = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), _Masked(hidden), nn.Linear(hidden, width))
         return g, nn.Sequential(nn.Linear(width, 5), nn.Linear(5, 1))
 
     bce = nn.functional.binary_cross_entropy_with_logits
     (g, d), (ref_g, ref_d) = gan(), gan()
     opt_g, opt_d = _adams(g, d)
     ref_opt_g, ref_opt_d = _adams(ref_g, ref_d)
-    client = PSClient.start(PSConfig(**cfg), _named(g, d), optimizer=served_optimizer([opt_g, opt_d]))
+    buffers = [(f"g.{n}", b) for n, b in g.named_buffers()]
+    client = PSClient.start(PSConfig(**cfg), _named(g, d), buffers, optimizer=served_optimizer([opt_g, opt_d]))
     try:
         client.pull_initial()
         ps_g, ps_d = PSOptimizer(opt_g, client), PSOptimizer(opt_d, client)
@@ -115,9 +128,9 @@ def test_a_step_of_one_optimizer_leaves_the_others_parameters_and_their_graph_al
                 o_d.zero_grad()
                 d_loss = bce(model_d(real), torch.ones(8, 1)) + bce(model_d(fake.detach()), torch.zeros(8, 1))
                 d_loss.backward()
-                before = [(p._version, p.detach().clone()) for p in model_g.parameters()]
+                before = [(p._version, p.detach().clone()) for p in [*model_g.parameters(), *model_g.buffers()]]
                 o_d.step()
-                after = [(p._version, p.detach()) for p in model_g.parameters()]
+                after = [(p._version, p.detach()) for p in [*model_g.parameters(), *model_g.buffers()]]
                 assert [v for v, _ in after] == [v for v, _ in before]
                 torch.testing.assert_close([t for _, t in after], [t for _, t in before], rtol=0, atol=0)
                 o_g.zero_grad()

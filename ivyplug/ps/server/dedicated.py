@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import select
 import socket
@@ -19,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from ivyplug.settings import PS_HOST_ENV as HOST_ENV
 
@@ -134,36 +134,37 @@ def _end_started() -> None:
         proc.join(5)
 
 
+#: what the server process runs: rank 0's ``sys.path`` (so it imports the ivyplug rank 0 imported, as a
+#: ``multiprocessing`` spawn would), then :func:`main`
+_STARTER = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from ivyplug.ps.server.dedicated import main; main()"
+)
+
+
 def launch(host: str, num_shards: int, num_workers: int, token: str, timeout: float) -> tuple[ServerProcess, int]:
     """Start the server process (on rank 0); returns it and the port its store listens on.
 
-    A fresh interpreter runs this module (``python -m``), not a ``multiprocessing`` spawn: a spawned child imports
-    the parent's main script again, and a training script without an ``if __name__ == "__main__":`` guard (which
-    torchrun and DDP do not need) would start a second fit in the server process. The token travels on stdin,
-    never on the command line, where every user of the machine can read it.
+    A fresh interpreter runs :func:`main`, not a ``multiprocessing`` spawn: a spawned child imports the parent's
+    main script again, and a training script without an ``if __name__ == "__main__":`` guard (which torchrun and
+    DDP do not need) would start a second fit in the server process. The token travels on stdin, never on the
+    command line, where every user of the machine can read it; the port comes back on stdout.
     """
-    cmd = [sys.executable, "-m", "ivyplug.ps.server.dedicated", host, str(num_shards), str(num_workers)]
+    flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]  # what multiprocessing passes
+    cmd = [sys.executable, *flags, "-c", _STARTER, json.dumps(sys.path), host, str(num_shards), str(num_workers)]
     cmd += [repr(float(timeout)), str(os.getpid())]
-    env = dict(os.environ)
-    root = Path(__file__).resolve().parents[3]
-    if root.name not in ("site-packages", "dist-packages"):  # a checkout a script may have put on sys.path itself
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     proc = ServerProcess(popen)
     _started.add(proc)
     try:
         assert popen.stdin is not None and popen.stdout is not None
         popen.stdin.write(token.encode() + b"\n")
         popen.stdin.close()
-        ready, _, _ = select.select([popen.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"the dedicated server process did not start within {timeout:g} s")
-        line = popen.stdout.readline().decode(errors="replace").strip()
+        line = _report_line(popen.stdout.fileno(), time.monotonic() + timeout, timeout)
         popen.stdout.close()
         if line.startswith("port "):
             return proc, int(line.split()[1])
         proc.join(5)
-        said = line.removeprefix("error ") if line.startswith("error ") else "see its error above on stderr"
+        said = line.removeprefix("error ") if line else "see its error above on stderr"
         raise RuntimeError(f"the dedicated server process failed to start (exit code {proc.exitcode}): {said}")
     except BaseException:
         proc.kill()
@@ -171,11 +172,31 @@ def launch(host: str, num_shards: int, num_workers: int, token: str, timeout: fl
         raise
 
 
-def main(argv: list[str]) -> None:
-    host, num_shards, num_workers, timeout, parent_pid = argv
+def _report_line(fd: int, deadline: float, timeout: float) -> str:
+    """The server's ``port N`` or ``error ...`` line ("" if it ended without one); whatever else it printed
+    before (a site hook, a library's banner) goes on to stderr. TimeoutError after ``deadline``."""
+    pending = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError(f"the dedicated server process did not start within {timeout:g} s")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return ""
+        pending += chunk
+        while b"\n" in pending:
+            raw, pending = pending.split(b"\n", 1)
+            line = raw.decode(errors="replace").strip()
+            if line.startswith(("port ", "error ")):
+                return line
+            print(line, file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    """The server process's entry (see :data:`_STARTER`): its arguments after rank 0's path, its token on stdin."""
+    host, num_shards, num_workers, timeout, parent_pid = sys.argv[2:]
     token = sys.stdin.readline().strip()
+    if not token:  # rank 0 ended before it wrote one: a server without a token would take anyone
+        _report("error no token arrived on stdin (rank 0 ended?)")
+        os._exit(1)
     serve(host, int(num_shards), int(num_workers), token, float(timeout), int(parent_pid))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -45,11 +45,17 @@ def describe(state: dict[str, Any]) -> str:
     return f"mode {state.get('mode')!r}, {workers} workers, {state.get('num_shards')} shards ({where})"
 
 
-def mismatch(state: Any, meta: dict[str, Any]) -> str | None:
-    """Why ``state`` cannot be loaded as it is into the job described by ``meta`` (None: it can)."""
+def check_format(state: Any) -> None:
+    """ValueError unless ``state`` is a PS state dict this ivyplug writes."""
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        return f"not a PS state dict of this ivyplug (format {found!r}, expected {STATE_FORMAT!r})"
+        raise ValueError(f"not a PS state dict of this ivyplug (format {found!r}, expected {STATE_FORMAT!r})")
+
+
+def mismatch(state: Any, meta: dict[str, Any]) -> str | None:
+    """Why ``state`` (ValueError: not a PS state, :func:`check_format`) cannot be loaded as it is into the job
+    described by ``meta``: another shard plan or number of workers (None: it can)."""
+    check_format(state)
     saved, here = describe(state), describe(meta)
     if state["num_shards"] != meta["num_shards"] or state["plan_signature"] != meta["plan_signature"]:
         return (

@@ -136,8 +136,6 @@ class PSClient:
         #: backward's gradient hooks that send each shard's data early (PSConfig.overlap_backward), else None
         self.early: EarlyPush | None = None
         self._scales_pushes = False  # async/ssp clipping rescales every push at the step: nothing to send early
-        #: in the step of one of several optimizers, the indices of its parameters: the only ones its reply writes
-        self._write_only: set[int] | None = None
         self._shm_failed = False  # a shared-memory region could not be made: warned once, every shard on gloo
         self._spans: bool | None = None  # whether the job's workers run on several hosts (_spans_hosts), once asked
         # the number of the last push (wire/push.py): from the start time in µs, so that a restarted worker's
@@ -385,8 +383,11 @@ class PSClient:
         finally:
             self._lock.release()
 
-    def _collect(self, pending: list[tuple[int, PendingReply]]) -> tuple[list[int], float]:
-        """Wait for every shard's reply, unpack it; returns the replies' staleness and summed ``grad_sq``."""
+    def _collect(
+        self, pending: list[tuple[int, PendingReply]], only: set[int] | None = None
+    ) -> tuple[list[int], float]:
+        """Wait for every shard's reply, unpack it (into the parameters ``only`` indexes, None: all); returns the
+        replies' staleness and summed ``grad_sq``."""
         staleness = []
         grad_sq = 0.0
         for s, reply in pending:
@@ -394,7 +395,7 @@ class PSClient:
             staleness.append(r.staleness)
             grad_sq += r.grad_sq
             try:
-                self.layout.unpack(s, r.snapshot, r.placed, self._write_only)
+                self.layout.unpack(s, r.snapshot, r.placed, only)
             finally:
                 r.release()  # a co-located shard lent its state: it may write it again
         self._flush_sends()
@@ -488,7 +489,7 @@ class PSClient:
                 "max_grad_norm in sync mode clips by the global norm, which the shards of a job on several ivyplug "
                 "serve processes cannot combine (yet): hold every shard in one service, or clip in async/ssp"
             )
-        with self._only(params):
+        with self._only(params) as only:
             if clip_value is not None and self.cfg.mode != "sync":
                 torch.nn.utils.clip_grad_value_([p for _, p in self.params if p.grad is not None], clip_value)
             clip = 1.0
@@ -499,15 +500,15 @@ class PSClient:
                     clip = float(torch.clamp(max_grad_norm / (total + 1e-6), max=1.0))
             with self._exclusive("a step"):
                 scales = self.cfg.mode != "sync" and (max_grad_norm is not None or clip_value is not None)
-                self._step(num_samples, delta, clip, (sync_clip, sync_value), scales)
+                self._step(num_samples, delta, clip, (sync_clip, sync_value), scales, only)
 
     @contextlib.contextmanager
-    def _only(self, params: Collection[torch.Tensor] | None) -> Iterator[None]:
+    def _only(self, params: Collection[torch.Tensor] | None) -> Iterator[set[int] | None]:
         """Hide the gradients of the parameters outside ``params`` (None: none hidden) while a step packs them, and
         write its reply into ``params`` only: the others keep their values and autograd versions until their own
         optimizer's step pulls them, as a torch optimizer leaves the parameters it does not hold."""
         if params is None:
-            yield
+            yield None
             return
         if self.early is not None:
             raise ValueError("a step of some parameters only cannot be combined with overlap_backward=True")
@@ -515,19 +516,24 @@ class PSClient:
         hidden = [(p, p.grad) for _, p in self.params if id(p) not in keep and p.grad is not None]
         for p, _ in hidden:
             p.grad = None
-        self._write_only = {i for i, (_, p) in enumerate(self.params) if id(p) in keep}
         try:
-            yield
+            yield {i for i, (_, p) in enumerate(self.params) if id(p) in keep}
         finally:
-            self._write_only = None
             for p, grad in hidden:
                 p.grad = grad
 
     def _step(
-        self, num_samples: int, delta: bool, clip: float, sync_clips: tuple[float, float], scales_pushes: bool
+        self,
+        num_samples: int,
+        delta: bool,
+        clip: float,
+        sync_clips: tuple[float, float],
+        scales_pushes: bool,
+        only: set[int] | None = None,
     ) -> None:
         """``sync_clips``: (norm, value) the servers clip the combined gradient to, -1 for none; ``scales_pushes``:
-        async/ssp clipping edits every push at the step, so nothing is worth sending early."""
+        async/ssp clipping edits every push at the step, so nothing is worth sending early; ``only``: the indices
+        of the parameters the reply writes (one of several optimizers' step), None: all."""
         early: set[int] = set()
         if self.early is not None:
             early = self.early.take(valid=clip == 1.0)
@@ -547,11 +553,11 @@ class PSClient:
         hyper = torch.cat([prefix, self.spec.encode(self.optimizer)])
         with self._servers_named():
             pending = [
-                (s, ep.push_pull(self.rank, None if s in early else packed[s], hyper, self._reply_targets(s)))
+                (s, ep.push_pull(self.rank, None if s in early else packed[s], hyper, self._reply_targets(s, only)))
                 for s, ep in self.topo.endpoints.items()
             ]
             try:
-                staleness, grad_sq = self._collect(pending)
+                staleness, grad_sq = self._collect(pending, only)
             finally:
                 if flags & PushFlag.NONFINITE:  # dropped whole: the error it carried (now non-finite) goes too
                     for ep in self.topo.endpoints.values():
@@ -580,11 +586,11 @@ class PSClient:
                     stacklevel=3,
                 )
 
-    def _reply_targets(self, shard: int) -> list[torch.Tensor | None] | None:
+    def _reply_targets(self, shard: int, only: set[int] | None = None) -> list[torch.Tensor | None] | None:
         """Where shard ``shard``'s reply parts are received in place, when its wire is cut (wire/segments.py)."""
         if self.topo.endpoints[shard].segments is None:
             return None
-        return self.layout.reply_targets(shard, self._write_only)
+        return self.layout.reply_targets(shard, only)
 
     def _arm_early(self) -> None:
         """Let the next backward send early, unless that would only repeat what the step sends anyway."""
@@ -794,7 +800,7 @@ class PSClient:
 
     def mismatch(self, state: Any) -> str | None:
         """Why ``state`` (a :meth:`state_dict`) cannot be loaded as it is into this job (None: it can): another
-        number of shards or workers, another shard plan."""
+        number of shards or workers, another shard plan. ValueError if it is no PS state of this ivyplug."""
         return checkpoint.mismatch(state, self._meta())
 
     def state_dict(self) -> dict[str, Any]:

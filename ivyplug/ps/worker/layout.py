@@ -183,7 +183,8 @@ class FlatLayout:
         ]
 
     def _writes(self, index: int, only: Collection[int] | None) -> bool:
-        """Whether a reply writes tensor ``index``: every buffer, and the parameters in ``only`` (None: all)."""
+        """Whether a reply writes tensor ``index``: every buffer (in a step of ``only``, where its value changed), and
+        the parameters in ``only`` (None: all)."""
         return only is None or index >= len(self.params) or index in only
 
     def _in_place(self, piece: Piece, grad: bool) -> torch.Tensor | None:
@@ -236,13 +237,15 @@ class FlatLayout:
                     continue
                 spec = self.plan.specs[p.index]
                 if not p.is_float:  # int64 bits, exact (cloned: a view needs 8-byte alignment)
-                    t.copy_(flat[p.offset : p.offset + p.numel].clone().view(torch.int64).view(t.shape))
-                    continue
-                src = flat[p.offset : p.offset + p.numel].view(piece_shape(spec.shape, p))
-                if t.dim() > 0 and (p.row_start, p.row_end) != (0, t.shape[0]):
-                    t[p.row_start : p.row_end].copy_(src)
+                    dst, src = t, flat[p.offset : p.offset + p.numel].clone().view(torch.int64).view(t.shape)
                 else:
-                    t.copy_(src.view(t.shape) if t.dim() == 0 else src)
+                    src = flat[p.offset : p.offset + p.numel].view(piece_shape(spec.shape, p))
+                    rows = t.dim() > 0 and (p.row_start, p.row_end) != (0, t.shape[0])
+                    dst = t[p.row_start : p.row_end] if rows else t
+                    src = src.view(t.shape) if t.dim() == 0 else src
+                if only is not None and p.index >= len(self.params) and torch.equal(dst, src.to(dst.dtype)):
+                    continue  # a buffer the step did not change (a mask) keeps its autograd version too
+                dst.copy_(src)
 
     def first_nonfinite(self) -> str:
         """Names the first gradient or float buffer holding a NaN/Inf (for the error and the warning)."""

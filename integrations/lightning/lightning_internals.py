@@ -78,10 +78,10 @@ def init_process_group(strategy: Any, store_for: Callable[[int, timedelta], Any]
     kwargs: dict[str, Any] = {"timeout": strategy._timeout}
     if strategy.root_device.type != "cpu":
         kwargs["device_id"] = strategy.root_device
-    store = store_for(strategy.world_size, strategy._timeout or default_pg_timeout)
-    if store is not None:
-        kwargs["store"] = store
-    with interface:
+    with interface:  # first: a setting it refuses ends this rank before the others count it in (store_for)
+        store = store_for(strategy.world_size, strategy._timeout or default_pg_timeout)
+        if store is not None:
+            kwargs["store"] = store
         _init_dist_connection(strategy.cluster_environment, strategy._process_group_backend, **kwargs)
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed
 from ivyplug.integrations.lightning import registration
 from ivyplug.integrations.lightning.dispatch_loader import process_async_loader
-from ivyplug.integrations.lightning.elastic_rendezvous import attempt_store
+from ivyplug.integrations.lightning.elastic_rendezvous import attempt_store, meet
 from ivyplug.integrations.lightning.json_collectives import (
     broadcast_typed,
     from_typed_or_refusal,
@@ -336,8 +336,15 @@ class IvyPSStrategy(DDPStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         # gloo binds the interface that reaches the main address unless GLOO_SOCKET_IFNAME says otherwise
-        init_process_group(self, attempt_store, gloo_net.interface_for(self.cluster_environment.main_address))
+        init_process_group(self, self._attempt_store, gloo_net.interface_for(self.cluster_environment.main_address))
         self.joined_default_group = True
+
+    def _attempt_store(self, world_size: int, timeout: timedelta) -> Any:
+        """Under torchrun, this attempt's store, once every rank has reached it within the PS's ``timeout``."""
+        store = attempt_store(world_size, timeout)
+        if store is not None:
+            meet(store, world_size, self.global_rank, self.ps_config.timeout)
+        return store
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: gradients travel through the PS."""

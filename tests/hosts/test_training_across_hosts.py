@@ -85,16 +85,21 @@ def test_dedicated_servers_on_loopback_are_refused_at_once_across_hosts(emulated
 
 def test_a_loopback_interface_across_hosts_is_refused_at_once(emulated_hosts: Any, tmp_path: Path) -> None:
     """``GLOO_SOCKET_IFNAME=lo`` on both hosts of an ``ivy_ps`` job: host 1's worker is refused before torch builds
-    its group (it connected to its own loopback and waited, with torch's bare error on the other host)."""
+    its group (it connected to its own loopback and waited, with torch's bare error on the other host), and host
+    0's worker, which the variable does not stop (the rendezvous is on its host), waits for it at most its
+    ``timeout`` (it waited the process group's 30 minutes in torch's rendezvous)."""
     hosts = emulated_hosts(2, hostname_maps_to="loopback")
     t0 = time.monotonic()
-    job = _two_node_job(hosts, tmp_path / "ps", "ivy_ps_async", {"GLOO_SOCKET_IFNAME": "lo"})
+    job = _two_node_job(hosts, tmp_path / "ps", "ivy_ps_async", {"GLOO_SOCKET_IFNAME": "lo"}, "--timeout", "5")
     assert job[1].finish(60) != 0
     assert time.monotonic() - t0 < 50  # not a timeout
     error = job[1].wait_for("error after", 1)
     assert "PSAddressError" in error, error
     for words in ("127.0.0.1", "GLOO_SOCKET_IFNAME=lo", hosts[0].address, hosts[1].hostname, "eth0 here reaches"):
         assert words in error, error
+    assert job[0].finish(40) != 0
+    waited = job[0].wait_for("error after", 1)
+    assert "waited 5 s (IvyPSStrategy's timeout)" in waited and "1 of 2 came" in waited, waited
 
 
 def test_servers_on_one_host_take_its_worker_in_fp32_and_the_other_hosts_in_bf16(

@@ -102,6 +102,8 @@ class ElasticDataset:
             raise ValueError(f"seed must be an integer, got {seed!r}")
         self.x, self.y = x_arr, y_arr
         self.num_samples = len(x_arr)
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise ValueError(f"shuffle must be True or False, got {shuffle!r}")
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.lag = _check_positive_int("lag", lag)

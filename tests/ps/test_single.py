@@ -421,3 +421,14 @@ def test_delta_pushes_are_scaled_only_beyond_one_round_of_staleness() -> None:
             assert srv.push_pull(1, torch.ones(4), _hyper(spec, opt, flags=flags)).result(1).staleness == tau
             moves.append(float((srv.masters[0].detach() - before)[0]))
         torch.testing.assert_close(torch.tensor(moves), torch.tensor(want), rtol=1e-6, atol=1e-7)
+
+
+def test_an_aborted_worker_s_shard_prints_why_it_failed(capfd: pytest.CaptureFixture[str]) -> None:
+    """``abort()`` fails the co-located shard with a reason handed in, not raised there: the shard's error line
+    shows that reason (it printed ``NoneType: None``, the traceback of no exception being handled)."""
+    model = mlp(seed=0)
+    client = start(model, make_opt("sgd", model.parameters()), mode="async")
+    client.abort()
+    err = capfd.readouterr().err
+    assert "shard 0 error:\nivyplug.ps.wire.transport.PSProtocolError: rank 0 failed and left the PS" in err, err
+    assert "NoneType: None" not in err

@@ -660,7 +660,9 @@ class Shard:
     def _fail_locked(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = f"{type(exc).__name__}: {exc}"
-            print(f"[ivyplug.ps] shard {self.shard} error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            # the failure's own traceback: one handed in from elsewhere (a worker's abort) is not being handled here
+            text = "".join(traceback.format_exception(exc)).rstrip()
+            print(f"[ivyplug.ps] shard {self.shard} error:\n{text}", file=sys.stderr, flush=True)
         self._failed += [fut for _, _, fut in self._parked]
         self._parked = []
 

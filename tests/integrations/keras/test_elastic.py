@@ -108,6 +108,8 @@ def test_bad_arguments_are_clear_errors() -> None:
         ElasticDataset(x, y[:5], batch_size=2)
     with pytest.raises(ValueError, match="lag must be a positive integer"):
         ElasticDataset(x, y, batch_size=2, lag=0)
+    with pytest.raises(ValueError, match="shuffle must be True or False, got 'no'"):
+        ElasticDataset(x, y, batch_size=2, shuffle="no")  # (it shuffled: a non-empty string is true)
     ds = ElasticDataset(x, y, batch_size=2)
     ds.set_batch_size(4, at_step=5)
     with pytest.raises(ValueError, match="at_step must be >= the latest scheduled change"):

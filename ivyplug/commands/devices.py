@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -128,10 +129,14 @@ def _has_rich() -> bool:
 def run(args: argparse.Namespace) -> int:
     from ivyplug.registry import AmbiguousComponentError, UnknownComponentError
 
-    if not args.interval > 0:
-        raise SystemExit("ivyplug devices: --interval must be > 0")
-    if args.count is not None and args.count < 1:
-        raise SystemExit("ivyplug devices: --count must be >= 1")
+    bad = None
+    if not (args.interval > 0 and math.isfinite(args.interval)):
+        bad = f"--interval must be a finite number of seconds > 0, got {args.interval!r}"
+    elif args.count is not None and args.count < 1:
+        bad = f"--count must be >= 1, got {args.count}"
+    if bad is not None:  # exit code 2, as for argparse's own refusals and --probe's
+        print(f"ivyplug devices: {bad}", file=sys.stderr)
+        return 2
     try:
         probes = _probes(args.probe)
     except (UnknownComponentError, AmbiguousComponentError) as exc:

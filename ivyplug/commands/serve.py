@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"ivyplug serve: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the state directory cannot be made or read
+        print(f"ivyplug serve: --state-dir {args.state_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -59,3 +59,16 @@ def test_an_unknown_probe_is_a_usage_error_naming_the_known_ones(capsys) -> None
     assert main(["devices", "--once", "--probe", "psutill"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ivyplug devices: --probe: unknown probe 'psutill'") and "psutil" in err, err
+
+
+def test_bad_interval_or_count_is_a_usage_error(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Exit code 2 and a line naming the option, as argparse's own refusals and --probe's (it exited 1)."""
+    from ivyplug.cli import main
+
+    for argv, message in (
+        (["--interval", "0"], "--interval must be a finite number of seconds > 0, got 0.0"),
+        (["--interval", "nan"], "--interval must be a finite number of seconds > 0, got nan"),
+        (["--count", "0"], "--count must be >= 1, got 0"),
+    ):
+        assert main(["devices", *argv]) == 2
+        assert capsys.readouterr().err.strip() == f"ivyplug devices: {message}"

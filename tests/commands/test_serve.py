@@ -46,6 +46,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         (["--timeout", "nan"], "--timeout must be a finite number of seconds > 0, got nan"),
         (["--status-every", "-1"], "--status-every must be a finite number of seconds > 0 (0: no status lines)"),
         (["--status-every", "inf"], "--status-every must be a finite number of seconds > 0 (0: no status lines)"),
+        (["--state-dir", "/proc/no-such-dir"], "--state-dir /proc/no-such-dir: No such file or directory"),
     ],
 )
 def test_a_bad_option_is_refused_naming_it_before_anything_listens(
@@ -79,3 +80,17 @@ def test_status_every_0_turns_the_status_lines_off(served: list[Any]) -> None:
     assert [s.status_every for s in served] == [None]
     assert main(["serve", "--shards", "1", "--port", "0", "--status-every", "2.5"]) == 0
     assert served[-1].status_every == 2.5
+
+
+def test_a_stop_without_a_job_names_no_snapshot(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No worker ever joined, so nothing was written: the last line does not claim a snapshot (it did)."""
+    import threading
+
+    stop = threading.Event()
+    stop.set()
+    svc = service_module.PSService(1, port=0, state_dir=str(tmp_path), status_every=None, log=lambda line: None)
+    service_module.run_forever(svc, stop)
+    err = capsys.readouterr().err
+    assert err.strip() == "ivyplug serve: stopped" and list(tmp_path.iterdir()) == [], (err, list(tmp_path.iterdir()))

@@ -734,7 +734,5 @@ def run_forever(service: PSService, stop: threading.Event) -> None:
             pass
     finally:
         service.close()
-        print(
-            "ivyplug serve: stopped" + (f" (snapshot in {service.state_dir})" if service.state_dir else ""),
-            file=sys.stderr,
-        )
+        wrote = service.state_dir is not None and service.job is not None  # a snapshot needs a job to hold
+        print("ivyplug serve: stopped" + (f" (snapshot in {service.state_dir})" if wrote else ""), file=sys.stderr)

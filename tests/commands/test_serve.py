@@ -94,3 +94,21 @@ def test_a_stop_without_a_job_names_no_snapshot(
     service_module.run_forever(svc, stop)
     err = capsys.readouterr().err
     assert err.strip() == "ivyplug serve: stopped" and list(tmp_path.iterdir()) == [], (err, list(tmp_path.iterdir()))
+
+
+def test_a_join_where_nothing_listens_ends_within_timeout_naming_why(
+    capsys: pytest.CaptureFixture[str], served: list[Any]
+) -> None:
+    """``--join`` toward a port nothing listens on: refused within ``--timeout`` with the reason, exit code 2 (torch's
+    store client waited about twice the timeout, printing its C++ frames)."""
+    import time
+
+    from tests.ports import free_port
+
+    start = time.monotonic()
+    argv = ["serve", "--shards", "1", "--port", "0", "--join", f"127.0.0.1:{free_port()}", "--timeout", "3"]
+    assert main(argv) == 2
+    assert time.monotonic() - start < 3 + 3
+    err = capsys.readouterr().err
+    assert err.startswith("ivyplug serve: --join 127.0.0.1:") and "within 3 s: nothing listens" in err, err
+    assert "frame #" not in err and served == []

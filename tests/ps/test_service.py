@@ -22,7 +22,7 @@ from tests.ps.service_harness import result, serve, workers
 
 pytestmark = pytest.mark.timeout(240)
 
-WAITING_LOGGER = "ivyplug.ps.worker.service_link"
+WAITING_LOGGER = "ivyplug.ps.wire.gloo_net"
 
 
 def test_two_workers_train_then_a_new_run_continues_from_the_live_servers(tmp_path: Path) -> None:

@@ -248,7 +248,14 @@ class PSService:
         from ivyplug.ps.config import parse_address
 
         host, port = parse_address(primary, "--join")
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
+        deadline = time.monotonic() + self.timeout
+        if gloo_net.reach(host, port, deadline) is not None:  # torch's client alone waited twice --timeout, in C++
+            raise ValueError(
+                f"--join {primary}: no ivyplug serve answered within {self.timeout:g} s: "
+                f"{gloo_net.why_unreachable(host, port)}"
+            )
+        left = max(1.0, deadline - time.monotonic())
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left))
         n = int(store.add(f"{auth.PREFIX}/services", 1))
         wanted = -1 if claim is None else claim
         proof = auth.mac(

@@ -21,13 +21,20 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import logging
+import math
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from typing import Any
 
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+#: a wait for an ivyplug serve that has not answered for this long is said once (:func:`reach`)
+SAY_WAITING_AFTER_S = 2.0
+
+log = logging.getLogger(__name__)
 _SIOCGIFADDR = 0x8915
 
 
@@ -122,6 +129,37 @@ def why_unreachable(host: str, port: int, within: float = 0.5) -> str:
             "link that is cut or a firewall in between"
         )
     return f"{host}:{port} accepts connections now but did not answer as an ivyplug serve in time"
+
+
+def reach(host: str, port: int, deadline: float) -> str | None:
+    """Try TCP connections to ``host:port`` until one is accepted (None) or ``deadline`` passed (why not).
+
+    Before a store client: torch's TCPStore client tries a refused or unanswered connection once more after its
+    timeout (printing its C++ frames), so on its own it names an unreachable service only after about twice the
+    timeout, in a wait that Ctrl-C does not end. A wait that lasts is said once, after
+    :data:`SAY_WAITING_AFTER_S`.
+    """
+    last = ""
+    said_at = time.monotonic() + SAY_WAITING_AFTER_S
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return last or "no answer"
+        try:
+            socket.create_connection((host, port), timeout=min(left, 2.0)).close()
+            return None
+        except OSError as exc:  # refused (not started yet, or not listening there), no route, no answer
+            last = "connection refused" if isinstance(exc, ConnectionRefusedError) else (exc.strerror or str(exc))
+        if time.monotonic() >= said_at:  # a serve being restarted is waited for; a wait that lasts is said, once
+            said_at = math.inf
+            log.warning(
+                "ivyplug: no ivyplug serve answers at %s:%d yet (%s); trying again for up to %.0f s more",
+                host,
+                port,
+                last,
+                max(0.0, deadline - time.monotonic()),
+            )
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
 def env_interfaces() -> list[str]:

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import logging
-import math
-import socket
 import threading
 import time
 import weakref
@@ -32,11 +29,6 @@ from ivyplug.ps.server.endpoints import PSServerError, WireEndpoint, WireStats
 from ivyplug.ps.wire import auth, gloo_net, typed_state
 from ivyplug.ps.wire.messages import Kind, bytes_to_words
 from ivyplug.ps.wire.transport import Channel, PSProtocolError, PSTimeoutError
-
-log = logging.getLogger(__name__)
-
-#: a worker whose serve has not answered for this long says once that it is still trying
-SAY_WAITING_AFTER_S = 2.0
 
 
 class PSJoinRefused(ValueError):
@@ -120,35 +112,6 @@ class ServiceLink:
     heartbeat: Heartbeat | None = None
 
 
-def _reach(host: str, port: int, deadline: float) -> str | None:
-    """Try TCP connections to ``host:port`` until one is accepted (None) or ``deadline`` passed (why not).
-
-    Before the store client: torch's TCPStore client tries a refused or unanswered connection once more after
-    its timeout, so on its own it names an unreachable service only after about twice the timeout.
-    """
-    last = ""
-    said_at = time.monotonic() + SAY_WAITING_AFTER_S
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return last or "no answer"
-        try:
-            socket.create_connection((host, port), timeout=min(left, 2.0)).close()
-            return None
-        except OSError as exc:  # refused (not started yet, or not listening there), no route, no answer
-            last = "connection refused" if isinstance(exc, ConnectionRefusedError) else (exc.strerror or str(exc))
-        if time.monotonic() >= said_at:  # a serve being restarted is waited for; a wait that lasts is said, once
-            said_at = math.inf
-            log.warning(
-                "ivyplug PS: no ivyplug serve answers at %s:%d yet (%s); trying again for up to %.0f s more",
-                host,
-                port,
-                last,
-                max(0.0, deadline - time.monotonic()),
-            )
-        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-
-
 def _store(cfg: PSConfig, within: float | None = None) -> tuple[Any, str]:
     """A store client of the service at ``cfg.servers`` within ``within`` seconds (default ``cfg.timeout``),
     else PSTimeoutError naming the address and why (refused, unreachable, silent)."""
@@ -162,7 +125,7 @@ def _store(cfg: PSConfig, within: float | None = None) -> tuple[Any, str]:
         seen = "" if first in why else f" ({first})"
         return PSTimeoutError(f"no ivyplug serve answered at {cfg.servers} within {limit:g} s: {why}{seen}")
 
-    problem = _reach(host, port, deadline)
+    problem = gloo_net.reach(host, port, deadline)
     if problem is not None:
         raise failed(problem)
     done: dict[str, Any] = {}

@@ -676,13 +676,14 @@ class PSService:
                     f"in {_mb(bytes_in)}, out {_mb(bytes_out)} (last {span:.0f} s), version {self.version()}"
                 )
 
-    def close(self) -> None:
-        """Stop accepting, write a last snapshot, drop the members' groups. Idempotent."""
+    def close(self) -> Path | None:
+        """Stop accepting, write a last snapshot, drop the members' groups; the snapshot's path (None: none was
+        written: no state directory, no job, or closed already). Idempotent."""
         if self.closed.is_set():
-            return
+            return None
         self.closed.set()
         try:
-            self.snapshot()
+            return self.snapshot()
         finally:
             for t in self._threads:
                 t.join(2.0)
@@ -740,6 +741,5 @@ def run_forever(service: PSService, stop: threading.Event) -> None:
         while not stop.wait(0.5):
             pass
     finally:
-        service.close()
-        wrote = service.state_dir is not None and service.job is not None  # a snapshot needs a job to hold
-        print("ivyplug serve: stopped" + (f" (snapshot in {service.state_dir})" if wrote else ""), file=sys.stderr)
+        wrote = service.close()
+        print("ivyplug serve: stopped" + (f" (snapshot in {wrote.parent})" if wrote else ""), file=sys.stderr)

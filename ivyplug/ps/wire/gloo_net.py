@@ -242,6 +242,8 @@ def _check_env_reaches(name: str, rendezvous_host: str) -> None:
         bound = interface_address(name)
     except PSAddressError:
         return
+    if not is_loopback(bound):  # the common case: nothing to refuse, no interface to look up for the message
+        return
     try:
         better = interface_of(route_address(rendezvous_host))
     except PSAddressError:

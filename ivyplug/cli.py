@@ -46,7 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before a command installs its own handling (a serve still starting)
+        print(f"ivyplug {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -112,3 +112,30 @@ def test_a_join_where_nothing_listens_ends_within_timeout_naming_why(
     err = capsys.readouterr().err
     assert err.startswith("ivyplug serve: --join 127.0.0.1:") and "within 3 s: nothing listens" in err, err
     assert "frame #" not in err and served == []
+
+
+def test_ctrl_c_while_a_join_waits_ends_with_one_line_and_exit_130() -> None:
+    """Ctrl-C before the serve's own signal handling is in place (here: waiting up to ``--timeout`` for the serve
+    to join) ends the command with one line and the shell's code for SIGINT, not a KeyboardInterrupt traceback."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.ports import free_port
+
+    argv = ["serve", "--shards", "1", "--port", "0", "--join", f"127.0.0.1:{free_port()}", "--timeout", "60"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ivyplug", *argv], stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        time.sleep(3.0)  # past the imports, into the wait
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "ivyplug serve: interrupted" and "Traceback" not in err, err

@@ -836,7 +836,7 @@ class IvyPSStrategy(DDPStrategy):
         ps_state = state.get(CHECKPOINT_KEY)
         why = self._client.mismatch(ps_state) if ps_state is not None else None
         if why is not None and state.get("format") != WHOLE_PS_FORMAT:
-            # another job's shards (their number, the plan, the workers): the entries resume as another strategy's
+            # another job's shard plan (their number, the model): the entries resume as another strategy's
             carried = (
                 "the local optimizers carry over, the servers' outer optimizer starts afresh"
                 if self._local_updates is not None

@@ -683,12 +683,12 @@ class Shard:
 
     def load(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_bytes` output. ``state["reset_clocks"]``: the state was written in another
-        mode, whose clocks mean something else (async clocks count each worker's pushes, sync clocks equal
-        the version): every worker restarts at the saved version, as after a sync step."""
+        mode or by another number of workers, whose clocks mean something else (async clocks count each worker's
+        pushes, sync clocks equal the version): every worker restarts at the saved version, as after a sync step."""
         with self._lock:
             if state["shard"] != self.shard or len(state["params"]) != len(self.masters):
                 raise ValueError(f"state of shard {state['shard']} does not fit shard {self.shard} of this plan")
-            if len(state["clock"]) != self.num_workers:
+            if len(state["clock"]) != self.num_workers and not state.get("reset_clocks"):
                 raise ValueError(
                     f"checkpoint was written by {len(state['clock'])} workers, this job has {self.num_workers}"
                 )

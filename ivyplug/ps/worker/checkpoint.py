@@ -1,10 +1,11 @@
 """The PS state of a job in and out of checkpoints: what it records, and what may resume from it.
 
 A state holds every shard's params, buffers, optimizer state, version and clocks, plus the mode and
-topology of the job that wrote it. It resumes in another mode (params, buffers and optimizer state carry
-over; clocks mean something else per mode, so every worker restarts at the saved version); another number
-of shards or workers, or another model, is refused with an error naming both jobs (:func:`mismatch`: a caller
-that holds the optimizer's state per parameter, as the Lightning strategy's checkpoints do, loads that instead).
+topology of the job that wrote it. It resumes in another mode or with another number of workers (params,
+buffers and optimizer state carry over; clocks count each worker's pushes, so every worker restarts at the
+saved version); another shard plan (number of shards, model) is refused with an error naming both jobs
+(:func:`mismatch`: a caller that holds the optimizer's state per parameter, as the Lightning strategy's
+checkpoints do, loads that instead).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def check_format(state: Any) -> None:
 
 
 def mismatch(state: Any, meta: dict[str, Any]) -> str | None:
-    """Why ``state`` (ValueError: not a PS state, :func:`check_format`) cannot be loaded as it is into the job
-    described by ``meta``: another shard plan or number of workers (None: it can)."""
+    """Why ``state`` (ValueError: not a PS state, :func:`check_format`) cannot be loaded into the job described
+    by ``meta``: another shard plan (None: it can; another number of workers or mode restarts the clocks)."""
     check_format(state)
     saved, here = describe(state), describe(meta)
     if state["num_shards"] != meta["num_shards"] or state["plan_signature"] != meta["plan_signature"]:
@@ -62,18 +63,19 @@ def mismatch(state: Any, meta: dict[str, Any]) -> str | None:
             f"the PS state was saved by a job with {saved}, this job has {here}; the shard plan differs: another "
             "model, number of shards or max_shard_bytes"
         )
-    if state.get("num_workers", meta["num_workers"]) != meta["num_workers"]:
-        return f"the PS state was saved by a job with {saved}, this job has {here}"
     return None
 
 
 def shards_to_load(state: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """The per-shard states to load into the job described by ``meta`` (ValueError if it cannot resume)."""
+    """The per-shard states to load into the job described by ``meta`` (ValueError if it cannot resume).
+
+    In another mode, or with another number of workers, the clocks restart (every worker at the saved version):
+    they count each worker's pushes, which mean something else there."""
     why = mismatch(state, meta)
     if why is not None:
         raise ValueError(f"cannot resume: {why} (resume with the same ones)")
-    convert = state["mode"] != meta["mode"]
-    return [dict(sh, reset_clocks=True) if convert else sh for sh in state["shards"]]
+    restart = state["mode"] != meta["mode"] or state.get("num_workers", meta["num_workers"]) != meta["num_workers"]
+    return [dict(sh, reset_clocks=True) if restart else sh for sh in state["shards"]]
 
 
 class NotPerElement(ValueError):

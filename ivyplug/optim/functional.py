@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -227,7 +227,7 @@ def global_grad_norm(grads: Sequence[Tensor], workspace: Workspace | None = None
                     total = math.inf
                 rest = [g for g in grads if not _compiled_tensor(g)] if len(dense) < len(grads) else []
         if rest:
-            total += _cpu_sumsq(rest, workspace)
+            total += _cpu_sumsq(rest, workspace, wide)
         return torch.tensor(math.sqrt(total), dtype=wide)
     target = grads[0].device
     by_device: dict[torch.device, list[Tensor]] = {}
@@ -254,13 +254,16 @@ def _sumsq(t: Tensor) -> float:
     return float(torch.linalg.vector_norm(t, dtype=torch.float32) ** 2)
 
 
-def _cpu_sumsq(tensors: Sequence[Tensor], workspace: Workspace | None) -> float:
+def _cpu_sumsq(tensors: Sequence[Tensor], workspace: Workspace | None, wide: torch.dtype = torch.float32) -> float:
     """``Σ‖t‖²`` over CPU tensors: one BLAS ``dot`` per large tensor; small float32/float64 tensors of one shape
-    are stacked into scratch slot 2 first, because for them the call, not the data, is the cost."""
+    are stacked into scratch slot 2 first, because for them the call, not the data, is the cost. ``wide`` float64
+    (a float64 tensor among them): every tensor's sum is taken in float64, as the compiled kernel takes it."""
     parts: list[float] = []
     small: dict[tuple[torch.Size, torch.dtype], list[Tensor]] = {}
     for t in tensors:
-        if workspace is not None and t.numel() < CPU_SMALL_ELEMENTS and t.dtype in _DOT_DTYPES:
+        if wide == torch.float64 and t.dtype != torch.float64:
+            parts.append(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2)
+        elif workspace is not None and t.numel() < CPU_SMALL_ELEMENTS and t.dtype in _DOT_DTYPES:
             small.setdefault((t.shape, t.dtype), []).append(t)
         else:
             parts.append(_sumsq(t))
@@ -333,6 +336,12 @@ def _compiled_eligible(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor)
     )
 
 
+def _folds(h: LambHyper, dtype: torch.dtype) -> bool:
+    """Whether a scratch buffer of ``dtype`` keeps ``u/λ`` (:attr:`LambHyper.fold`): not in float16, whose range
+    (65504) ``c/λ`` times an element whose ``v`` underflowed leaves (the update would turn Inf)."""
+    return h.fold and dtype != torch.float16
+
+
 def _bias_factors(step: float, beta1: float, beta2: float, eps: float, bias_correction: bool) -> tuple[float, float]:
     """(c, ε') with ``m̂/(√v̂+ε) = c·m/(√v+ε')``."""
     if not bias_correction:
@@ -400,7 +409,7 @@ def lamb_direction(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, h: 
     param_sq = _sumsq(p) if h.adapt else 0.0
     torch.sqrt(v, out=out)
     out.add_(eps_s)
-    if h.fold:  # out holds (m̂/(√v̂+ε) + λx) / λ
+    if _folds(h, out.dtype):  # out holds (m̂/(√v̂+ε) + λx) / λ
         torch.addcdiv(p, m, out, value=c / weight_decay, out=out)
         scale = weight_decay
     else:  # out holds (m̂/(√v̂+ε) + λx) / c
@@ -579,7 +588,7 @@ def _cpu_fused_lamb(t: StepTensors, h: LambHyper, workspace: Workspace) -> list[
                                 weight_decay=weight_decay)  # fmt: skip
         return ratios
 
-    fold = h.fold
+    fold = _folds(h, params[0].dtype)
     scale = weight_decay if fold else 1.0  # the scratch buffer holds u / scale
     kernel_lr = -1.0 / weight_decay if fold else -1.0
     vectorised = params[0].dtype in _DOT_DTYPES
@@ -660,7 +669,7 @@ def _big_tensor_step(
     """One large tensor of :func:`_cpu_fused_lamb`, piece by piece (see there): ``one`` is its parameter, gradient
     and moments, ``kernel_step`` its step counter already incremented (or the infinite step). Returns its ratio."""
     x, grad, exp_avg, exp_avg_sq = one
-    fold, weight_decay = h.fold, h.weight_decay
+    fold, weight_decay = _folds(h, x.dtype), h.weight_decay
     scale = weight_decay if fold else 1.0
     numel = x.numel()
     (u,), (u_flat,), _ = workspace.span((x,))
@@ -748,7 +757,7 @@ def _multi_tensor_lamb(t: StepTensors, h: LambHyper, workspace: Workspace) -> li
         torch._foreach_copy_(d, v)
         torch._foreach_sqrt_(d)
         torch._foreach_add_(d, [f[1] for f in factors[lo:hi]])
-        if h.fold:  # u = (m̂/(√v̂+ε) + λx) / λ
+        if _folds(h, p[0].dtype):  # u = (m̂/(√v̂+ε) + λx) / λ
             torch._foreach_copy_(u, p)
             torch._foreach_addcdiv_(u, m, d, [ci / weight_decay for ci in cs])
             scales = [weight_decay] * n
@@ -846,13 +855,32 @@ def lamb(
     workspace = workspace if workspace is not None else Workspace()
     choice = compiled_kernel.kernel_choice(kernel)
     if not resolve_foreach(foreach, params):
+        _check_shapes(t, range(n))
         return _single_tensor_lamb(t, h, workspace)
     if choice != "torch":
         fast = [i for i in range(n) if _compiled_eligible(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i])]
         lib = compiled_kernel.load(required=choice == "compiled") if fast else None
         if lib is not None:
+            if len(fast) < n:  # the eligible ones have one shape each
+                chosen = set(fast)
+                _check_shapes(t, [i for i in range(n) if i not in chosen])
             return _compiled_lamb(lib, fast, t, h, workspace)
+    _check_shapes(t, range(n))
     return _torch_lamb(t, h, workspace)
+
+
+def _check_shapes(t: StepTensors, indices: Iterable[int]) -> None:
+    """ValueError, before any tensor changes, where a parameter's gradient or moments have another shape than it
+    (the kernels pair elements by offset: they would read and write past the smaller tensor)."""
+    for i in indices:
+        p = t.params[i]
+        for what, other in (("gradient", t.grads[i]), ("exp_avg", t.exp_avgs[i]), ("exp_avg_sq", t.exp_avg_sqs[i])):
+            if other.shape != p.shape:
+                raise ValueError(
+                    f"LAMB: parameter {i} of the step has shape {tuple(p.shape)} but its {what} has shape "
+                    f"{tuple(other.shape)}: its optimizer state is not this parameter's (a state_dict of an "
+                    "optimizer whose parameters came in another order or shapes, or a parameter resized after a step)"
+                )
 
 
 def _compiled_lamb(

@@ -565,3 +565,71 @@ def test_eps_zero_is_refused_in_the_constructor_and_in_a_loaded_state() -> None:
     saved["param_groups"][0]["eps"] = 0.0
     with pytest.raises(ValueError, match=r"^eps must be a finite float > 0 .* in a loaded state, got 0.0"):
         LAMB([p]).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("how", ["order", "resize"])
+def test_a_state_of_another_shape_is_refused_before_anything_changes(kernel: bool, how: str) -> None:
+    """A state_dict loaded into an optimizer whose parameters come in another order (or a parameter resized after a
+    step) gives a parameter moments of another size. The kernels pair elements by offset: the default CPU kernels
+    read and wrote past the smaller tensor (NaN weights, then a crash). Refused by name, nothing changed."""
+    gen = torch.Generator().manual_seed(81)
+    a, b = nn.Parameter(torch.randn(1000, generator=gen)), nn.Parameter(torch.randn(4, generator=gen))
+    opt = LAMB([a, b], lr=0.1, foreach=kernel)
+    a.grad, b.grad = torch.randn(1000, generator=gen), torch.randn(4, generator=gen)
+    opt.step()
+    if how == "order":
+        saved = opt.state_dict()
+        a, b = nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())
+        opt = LAMB([b, a], lr=0.1, foreach=kernel)
+        opt.load_state_dict(saved)  # b takes a's moments and a b's, as torch's Adam would give them
+    else:
+        with torch.no_grad():
+            b.data = torch.randn(1000, generator=gen)
+    a.grad, b.grad = torch.randn(a.shape, generator=gen), torch.randn(b.shape, generator=gen)
+    before = [a.detach().clone(), b.detach().clone()]
+    state_before = copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(ValueError, match=r"^LAMB: parameter \d of the step has shape \(\d+,\) but its exp_avg has"):
+        opt.step()
+    torch.testing.assert_close([a.detach(), b.detach()], before, rtol=0, atol=0)
+    for key, st in opt.state_dict()["state"].items():
+        for name, value in st.items():
+            assert torch.equal(value, state_before[key][name]), name
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_float16_params_whose_second_moment_underflows_stay_finite(kernel: bool) -> None:
+    """float16 keeps ``v`` where float16 keeps it: an element with a gradient of 1e-3 gets v = 1e-9, which underflows
+    to 0, so its ``m̂/(√v̂+ε)`` is about 1000. The kernels keep ``u/λ`` in a buffer of the parameter's dtype where
+    the weight decay allows: with the default λ = 0.01 that is 1e5, past float16's 65504, and the per-tensor loop
+    turned such weights into Inf. Checked against the formula in float64 on the moments the optimizer kept."""
+    g = torch.tensor([1e-3, 2e-3, 5e-3, 1e-2, 0.1, 1.0, -1e-3, 0.5], dtype=torch.float16)
+    x0 = torch.linspace(-1, 1, 8).to(torch.float16)
+    p = nn.Parameter(x0.clone())
+    opt = LAMB([p], lr=0.01, foreach=kernel)  # weight_decay 0.01, eps 1e-6: the defaults
+    p.grad = g.clone()
+    opt.step()
+    assert torch.isfinite(p).all(), p
+    m, v = (opt.state[p][k].double() for k in ("exp_avg", "exp_avg_sq"))
+    assert (v == 0).any()  # the case in point: some v underflowed
+    x = x0.double()
+    u = (m / 0.1) / ((v / 1e-3).sqrt() + 1e-6) + 0.01 * x
+    assert float((u / 0.01).abs().max()) > 65504  # u/λ is out of float16's range here
+    if not kernel:  # the loop takes its moments as stored; the fused kernel uses v before its float16 rounding
+        ratio = min(float(x.norm() / u.norm()), 10.0)
+        torch.testing.assert_close(p.detach().double(), x - 0.01 * ratio * u, rtol=0, atol=2e-3)
+
+
+def test_a_float64_gradients_norm_sums_float32_ones_in_float64_with_every_kernel() -> None:
+    """With a float64 gradient among them the global norm is float64 (as torch's ``clip_grad_norm_``): the torch
+    kernels summed the float32 gradients' squares in float32 (5e-9 off), the compiled kernel in double."""
+    gen = torch.Generator().manual_seed(83)
+    grads = [torch.randn(64, 64, generator=gen) for _ in range(3)] + [torch.randn(10, generator=gen).double()]
+    exact = math.sqrt(math.fsum(float((g.double() ** 2).sum()) for g in grads))
+    kernels = ["torch"] if NO_COMPILER else ["torch", "compiled"]
+    for name in kernels:
+        norm = F.global_grad_norm(grads, F.Workspace(), kernel=name)
+        assert norm.dtype == torch.float64
+        assert abs(float(norm) - exact) <= 1e-14 * exact, (name, float(norm), exact)
+    float32_only = F.global_grad_norm(grads[:3], F.Workspace(), kernel="torch")  # the control: float32 where all are
+    assert float32_only.dtype == torch.float32

@@ -12,8 +12,8 @@ staleness, non-finite deltas) is :mod:`ivyplug.localsgd.delta_exchange`'s.
 The wrapper implements the :class:`ivyplug.localsgd.optimizer_protocol.DeltaExchangingOptimizer` protocol, so
 ``Trainer(strategy="ivy_ps")`` runs it as it runs :class:`~ivyplug.optim.AsyncLAMB`. Not attached to a PS it is
 its inner optimizer. Its ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's (LR schedulers
-edit the inner learning rates); step hooks registered on the wrapper or globally run once per ``step()`` (the
-inner step runs without torch's hook runner, unless something replaced the inner instance's ``step``).
+edit the inner learning rates); step hooks registered on the wrapper, on the inner optimizer or globally run once
+per ``step()`` (the global ones with the wrapper's, the inner instance's around its step).
 """
 
 from __future__ import annotations
@@ -266,12 +266,26 @@ class LocalUpdates(torch.optim.Optimizer):
 
     # -- stepping ---------------------------------------------------------------------------------
     def _inner_step(self, closure: Callable[[], float] | None) -> Any:
-        """``inner.step`` without torch's hook runner (the wrapper's step already ran the hooks)."""
+        """``inner.step`` without the global hooks (the wrapper's step already ran them), with the inner
+        instance's own step hooks, in torch's order (pre hooks may replace the arguments)."""
         inner = self.inner
         plain = getattr(type(inner).step, "__wrapped__", None)
         if plain is None or "step" in vars(inner):  # e.g. an LR scheduler attached to the inner optimizer
             return inner.step(closure) if closure is not None else inner.step()
-        return plain(inner, closure) if closure is not None else plain(inner)
+        args: tuple[Any, ...] = (closure,) if closure is not None else ()
+        kwargs: dict[str, Any] = {}
+        for pre_hook in list(inner._optimizer_step_pre_hooks.values()):
+            result = pre_hook(inner, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"{pre_hook} must return None or a tuple of (new_args, new_kwargs), but got {result}."
+                    )
+                args, kwargs = result
+        out = plain(inner, *args, **kwargs)
+        for post_hook in list(inner._optimizer_step_post_hooks.values()):
+            post_hook(inner, args, kwargs)
+        return out
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One local step of the inner optimizer; every ``sync_every``-th step also exchanges with the PS."""

@@ -130,6 +130,40 @@ def test_hooks_run_once_per_step_and_a_scheduler_drives_the_inner_lr() -> None:
         client.close()
 
 
+@pytest.mark.parametrize("wrapper", ["LocalUpdates", "AsyncLAMB"])
+def test_the_inner_optimizers_own_step_hooks_run_once_per_step_around_its_step(wrapper: str) -> None:
+    """Hooks registered on the inner optimizer run as its ``step()`` would run them (torch's
+    ``PostLocalSGDOptimizer`` calls ``inner.step()``); they were skipped. Global hooks still run once, with the
+    wrapper's. A pre hook may replace the arguments, as torch lets it."""
+    model = _mlp(0)
+    opt: LocalUpdates = (
+        LocalUpdates(torch.optim.SGD(model.parameters(), lr=0.1))
+        if wrapper == "LocalUpdates"
+        else AsyncLAMB(model.parameters())
+    )
+    calls: list[str] = []
+    losses: list[float] = []
+
+    def replace_closure(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        calls.append("inner-pre")
+        return (), {"closure": lambda: losses.append(1.0) or 1.0}
+
+    handles = [
+        opt.inner.register_step_pre_hook(replace_closure),
+        opt.inner.register_step_post_hook(lambda o, a, k: calls.append("inner-post")),
+        opt.register_step_pre_hook(lambda o, a, k: calls.append("wrapper-pre")),
+        opt.register_step_post_hook(lambda o, a, k: calls.append("wrapper-post")),
+        register_optimizer_step_pre_hook(lambda o, a, k: calls.append(f"global-pre-{type(o).__name__}")),
+    ]
+    try:
+        _train(model, opt, 2, seed=0)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [f"global-pre-{wrapper}", "wrapper-pre", "inner-pre", "inner-post", "wrapper-post"] * 2, calls
+    assert losses == [1.0, 1.0]  # the closure the pre hook gave was the one the inner step ran
+
+
 def test_checkpoints_keep_the_ps_and_copies_are_detached() -> None:
     model = _mlp(0)
     opt = LocalUpdates(

@@ -112,6 +112,10 @@ class LAMB(keras.optimizers.Optimizer):
       overflows), the whole step is skipped (no variable, moment or bias-correction step changes) and
       :attr:`skipped_steps` counts it. ``iterations`` still advances, as for every Keras optimizer; bias
       correction uses the number of applied steps, as the torch LAMB does.
+    * A variable without a gradient in a step (``None``, which Keras leaves out) is not changed, but the step
+      still counts for its bias correction later: the count is the optimizer's, as for Keras's own ``Adam``. The
+      torch LAMB, as torch's ``Adam``, counts per parameter the steps that had its gradient, so the twins differ
+      for a variable whose gradient was missing in some steps (and only there).
     * Sparse (``IndexedSlices``) gradients are made dense: LAMB decays every moment entry each step.
 
     The default ``learning_rate=1e-3`` is the torch LAMB's, so the twins agree; since the trust ratio makes

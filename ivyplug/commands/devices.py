@@ -1,6 +1,6 @@
 """``ivyplug devices``: a live table (rich) of every registered probe's readings.
 
-Probes are built from the registry (``nvml``, ``torch_allocator``, ``psutil``; third-party probes
+Probes are built from the registry (``nvml``, ``torch.torch_allocator``, ``psutil``; third-party probes
 that need no arguments too). An unavailable probe is listed with the reason, so the table also
 answers "why don't I see my GPU". ``--once`` prints one snapshot and exits.
 """
@@ -50,6 +50,7 @@ def _is_per_core(key: str) -> bool:
 
 def _probes(names: list[str] | None) -> list[tuple[str, Any, str | None]]:
     """(name, probe or None, why unavailable) for every selected registered probe."""
+    from ivyplug.load.probe import Probe
     from ivyplug.registry import get_registry
 
     registry = get_registry()
@@ -65,6 +66,9 @@ def _probes(names: list[str] | None) -> list[tuple[str, Any, str | None]]:
             probe = entry.component.load()()
         except Exception as exc:
             rows.append((entry.name, None, f"could not start: {exc!r}"))
+            continue
+        if not isinstance(probe, Probe):
+            rows.append((entry.name, None, "does not implement ivyplug.load.Probe (name, available, read, close)"))
             continue
         if not probe.available():
             reason = getattr(probe, "unavailable_reason", None) or "not available on this machine"
@@ -127,7 +131,7 @@ def _has_rich() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ivyplug.registry import AmbiguousComponentError, UnknownComponentError
+    from ivyplug.registry import AmbiguousComponentError, DuplicateComponentError, UnknownComponentError
 
     bad = None
     if not (args.interval > 0 and math.isfinite(args.interval)):
@@ -139,13 +143,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         probes = _probes(args.probe)
-    except (UnknownComponentError, AmbiguousComponentError) as exc:
+    except (UnknownComponentError, AmbiguousComponentError, DuplicateComponentError) as exc:
         print(f"ivyplug devices: --probe: {exc}", file=sys.stderr)
         return 2
     # psutil's CPU percentage is measured between two reads: wait a little before the first one
     time.sleep(min(args.interval, 0.2))
     if args.json:
-        print(json.dumps(snapshot(probes, args.per_core), indent=2))
+        try:
+            print(json.dumps(snapshot(probes, args.per_core), indent=2))
+        finally:
+            _close(probes)
         return 0
     if not _has_rich():
         try:
@@ -159,9 +166,7 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return 0
         finally:
-            for _, probe, _ in probes:
-                if probe is not None:
-                    probe.close()
+            _close(probes)
     from rich.console import Console
 
     console = Console()
@@ -181,7 +186,11 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        for _, probe, _ in probes:
-            if probe is not None:
-                probe.close()
+        _close(probes)
     return 0
+
+
+def _close(probes: list[tuple[str, Any, str | None]]) -> None:
+    for _, probe, _ in probes:
+        if probe is not None:
+            probe.close()

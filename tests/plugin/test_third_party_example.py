@@ -56,3 +56,20 @@ def test_autoload_off_hides_it(installed: Path) -> None:
         _ivyplug(installed, "list", "--kind", "probe", "--json", IVYPLUG_DISABLE_PLUGIN_AUTOLOAD="1").stdout
     )
     assert "loadavg" not in {c["name"] for c in data["components"]}
+
+
+def test_installed_plugin_probe_is_a_probe_that_devices_shows_and_closes(installed: Path) -> None:
+    """The example's probe implements the whole protocol (it had no ``close``: ``ivyplug devices`` ended in an
+    AttributeError after its table, and a balancer refused the probe object)."""
+    assert json.loads(_ivyplug(installed, "devices", "--once", "--probe", "loadavg", "--json").stdout)["loadavg"][
+        "available"
+    ]
+    assert "cpu_load" in _ivyplug(installed, "devices", "--once", "--probe", "loadavg").stdout  # the table, then close
+    code = (
+        "from ivyplug.load import Probe; from ivyplug_loadavg_probe.probe import LoadAverageProbe;"
+        "from ivyplug.load.probes import make_probe; p = LoadAverageProbe(); assert isinstance(p, Probe);"
+        "assert make_probe(p) is p; p.close(); print('ok')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

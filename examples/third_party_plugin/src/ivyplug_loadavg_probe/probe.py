@@ -16,3 +16,6 @@ class LoadAverageProbe:
     def read(self) -> dict[str, float]:
         load1, _, _ = os.getloadavg()
         return {"cpu_load": load1 / (os.cpu_count() or 1)}
+
+    def close(self) -> None:
+        """Nothing to release: the probe holds no handle (the protocol asks every probe for ``close``)."""

@@ -2,7 +2,9 @@
 
 Built-ins are registered through the same hooks a third-party package uses. Loading
 is isolated per plugin: one that fails to import or whose hook raises is recorded
-in :attr:`Registry.errors` with the package that shipped it, and the rest load.
+in :attr:`Registry.errors` with the package that shipped it, and the rest load. A name
+that two plugins offer is recorded there too, and asking for it is an error naming both;
+every other name still resolves.
 Set ``IVYPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` to skip entry points.
 """
 
@@ -106,8 +108,8 @@ class Entry:
     def install_hint(self) -> str:
         extra = self.component.install_extra
         missing = ", ".join(self.missing)
-        if extra:
-            return f"needs {missing}: pip install 'ivyplug[{extra}]'"
+        if extra:  # the extra is one of the package that ships the component
+            return f"needs {missing}: pip install '{self.provider}[{extra}]'"
         return f"needs {missing}"
 
 
@@ -123,6 +125,8 @@ class Registry:
         self.plugin_manager = plugin_manager
         self.errors: list[PluginError] = []
         self._entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
+        #: names offered twice (the first provider's entry stays listed; asking for the name is the error)
+        self._conflicts: dict[str, dict[str, DuplicateComponentError]] = {k: {} for k in KINDS}
 
     def add(self, entry: Entry) -> None:
         """Add one entry; a second provider of the same name is an error naming both."""
@@ -136,6 +140,16 @@ class Registry:
                 "uninstall one of them"
             )
         table[key] = entry
+
+    def add_or_record(self, entry: Entry) -> None:
+        """:meth:`add`, but a name offered twice is recorded, not raised: the later plugin's error (reported as a
+        failed plugin is), and the name an error naming both when asked for (:meth:`resolve`), while every
+        other name still resolves."""
+        try:
+            self.add(entry)
+        except DuplicateComponentError as exc:
+            self._conflicts[entry.kind][entry.name.lower()] = exc
+            self.errors.append(PluginError(entry.plugin, entry.provider, exc))
 
     def names(self, kind: str) -> list[str]:
         """Sorted full names of every registered component of ``kind``."""
@@ -156,10 +170,10 @@ class Registry:
         table = self._entries[kind]
         key = name.lower()
         if key in table:
-            return table[key]
+            return self._unique(table[key])
         matches = [e for e in table.values() if e.component.name.lower() == key]
         if len(matches) == 1:
-            return matches[0]
+            return self._unique(matches[0])
         if len(matches) > 1:
             options = ", ".join(sorted(e.name for e in matches))
             raise AmbiguousComponentError(
@@ -173,9 +187,23 @@ class Registry:
         hint = f" (or without the framework's prefix where unambiguous: {sorted(unique)[0]})" if unique else ""
         raise UnknownComponentError(f"unknown {kind} {name!r}; available {kind} names: {available}{hint}")
 
-    def get(self, kind: str, name: str) -> Any:
-        """Import and return the component object (a class, usually)."""
-        entry = self.resolve(kind, name)
+    def _unique(self, entry: Entry) -> Entry:
+        """``entry``, unless another plugin offers its name too (DuplicateComponentError naming both)."""
+        conflict = self._conflicts[entry.kind].get(entry.name.lower())
+        if conflict is not None:
+            raise DuplicateComponentError(*conflict.args)
+        return entry
+
+    def get(self, kind: str, name: str, *, builtin: bool = False) -> Any:
+        """Import and return the component object (a class, usually). ``builtin``: ``name`` is a full name of
+        ivyplug's own (what ivyplug picks by default), taken whatever other plugins offer."""
+        if builtin:
+            _check_kind(kind)
+            entry = self._entries[kind].get(name.lower())
+            if entry is None or entry.provider != BUILTIN_PROVIDER:
+                raise UnknownComponentError(f"{kind} {name!r} is not one of ivyplug's own")
+        else:
+            entry = self.resolve(kind, name)
         if not entry.available:
             raise ComponentUnavailableError(f"{kind} {entry.name!r} is not available: {entry.install_hint()}")
         return entry.component.load()
@@ -206,7 +234,7 @@ def _collect(registry: Registry, pm: pluggy.PluginManager, plugin_name: str, pro
         registry.errors.append(PluginError(plugin_name, provider, exc))
         return
     for entry in collected:
-        registry.add(entry)
+        registry.add_or_record(entry)
 
 
 def _drop_invalid(pm: pluggy.PluginManager, registry: Registry, loaded: list[tuple[str, str]]) -> list[tuple[str, str]]:

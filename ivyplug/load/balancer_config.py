@@ -36,6 +36,9 @@ POLICY_RULES: tuple[str, ...] = (
     "min_efficiency",
 )
 
+#: The default probes as configs saved by earlier versions list them (a Keras model's ``get_config``): the defaults.
+_EARLIER_DEFAULT_NAMES = ["nvml", "torch_allocator", "psutil"]
+
 
 def _optional_int(name: str, value: object, minimum: int) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
@@ -111,7 +114,7 @@ class BalancerConfig:
     def build_probes(self) -> list[Probe]:
         """The probes to poll: the defaults (a missing package skips its probe) or those named (they must exist)."""
         specs = self.probes() if callable(self.probes) else self.probes
-        if specs is None or list(specs) == list(DEFAULT_PROBE_NAMES):
+        if specs is None or list(specs) in (list(DEFAULT_PROBE_NAMES), _EARLIER_DEFAULT_NAMES):
             return default_probes(DEFAULT_PROBE_NAMES)
         return [make_probe(spec) for spec in specs]
 

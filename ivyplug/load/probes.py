@@ -11,8 +11,8 @@ from ivyplug.load.probe import Probe
 log = logging.getLogger(__name__)
 
 #: Probes worth polling by default: they need no arguments. Both ``IvyLoadBalancer`` twins poll these when
-#: given no ``probes``.
-DEFAULT_PROBE_NAMES: tuple[str, ...] = ("nvml", "torch_allocator", "psutil")
+#: given no ``probes``: ivyplug's own, by full name, whatever other plugins offer under the same names.
+DEFAULT_PROBE_NAMES: tuple[str, ...] = ("nvml", "torch.torch_allocator", "psutil")
 
 #: The config name of a :class:`~ivyplug.load.scripted_probe.ScriptedProbe` (read by :func:`make_probe`).
 SCRIPTED = "scripted"
@@ -26,7 +26,7 @@ def default_probes(names: tuple[str, ...] = DEFAULT_PROBE_NAMES) -> list[Probe]:
     out: list[Probe] = []
     for name in names:
         try:
-            cls = registry.get("probe", name)
+            cls = registry.get("probe", name, builtin=True)
         except ComponentUnavailableError as exc:
             log.debug("probe %s skipped: %s", name, exc)
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 import types
 from pathlib import Path
@@ -72,13 +73,56 @@ def test_autoload_disabled_by_environment(site: Path, monkeypatch: pytest.Monkey
     assert "fancy" in reg.build_registry().names("probe")
 
 
-def test_duplicate_names_report_both_providers(site: Path) -> None:
+def test_duplicate_names_report_both_providers_and_the_rest_resolves(site: Path) -> None:
+    """Two plugins offering one name: asking for it is an error naming both, reported as a failed plugin is (the
+    registry was not built at all before: ``ivyplug list`` itself ended in a traceback), and every other name
+    still resolves."""
     _write_dist(site, "probe-one", "probe_one_plugin", "one", THIRD_PARTY)
     _write_dist(site, "probe-two", "probe_two_plugin", "two", THIRD_PARTY)
-    with pytest.raises(reg.DuplicateComponentError) as info:
-        reg.build_registry()
-    assert "probe-one" in str(info.value) and "probe-two" in str(info.value)
-    assert "'fancy'" in str(info.value)
+    with pytest.warns(RuntimeWarning, match="provided twice"):
+        registry = reg.build_registry()
+    for ask in (lambda: registry.get("probe", "fancy"), lambda: registry.resolve("probe", "FANCY")):
+        with pytest.raises(reg.DuplicateComponentError) as info:
+            ask()
+        assert "probe-one" in str(info.value) and "probe-two" in str(info.value) and "'fancy'" in str(info.value)
+    (error,) = registry.errors  # the later of the two (entry points come in no set order)
+    assert error.provider in ("probe-one", "probe-two") and isinstance(error.error, reg.DuplicateComponentError)
+    assert registry.names("probe").count("fancy") == 1
+    assert registry.get("optimizer", "torch.lamb").__name__ == "LAMB"
+    assert registry.get("probe", "psutil").__name__ == "PsutilProbe"
+
+
+SHADOWS = """
+from ivyplug.components import Probe
+from ivyplug.hookspecs import hookimpl
+
+@hookimpl
+def ivyplug_probes():
+    yield Probe("torch_allocator", "json:JSONDecoder", description="a bare name equal to a built-in's short one")
+    yield Probe("psutil", "json:JSONEncoder", description="a built-in's full name")
+    yield Probe("nvml", "json:JSONDecoder", framework="keras", description="a built-in's name in another framework")
+"""
+
+
+def test_the_default_probes_are_ivyplugs_own_whatever_plugins_offer(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The balancers' default probes are ivyplug's, by full name: a plugin's bare ``torch_allocator`` replaced
+    ivyplug's in every default ``IvyLoadBalancer``, and one under another framework made the default name
+    ambiguous and every fit fail at start. A user naming the probe still gets the error naming both."""
+    from ivyplug.load import probes as probes_module
+
+    _write_dist(site, "shadow-pkg", "shadow_plugin", "shadow", SHADOWS)
+    with pytest.warns(RuntimeWarning, match="shadow-pkg"):
+        registry = reg.build_registry()
+    monkeypatch.setattr(reg, "_registry", registry)
+    built = {type(p).__module__ for p in probes_module.default_probes()}
+    assert built <= {"ivyplug.load.nvml_probe", "ivyplug.load.torch_probe", "ivyplug.load.psutil_probe"}, built
+    assert {"ivyplug.load.torch_probe", "ivyplug.load.psutil_probe"} <= built
+    with pytest.raises(reg.DuplicateComponentError, match="shadow-pkg"):
+        probes_module.make_probe("psutil")
+    assert registry.get("probe", "torch_allocator") is json.JSONDecoder  # the plugin's, by its exact full name
+    assert registry.resolve("probe", "keras.nvml").provider == "shadow-pkg"
 
 
 def test_broken_plugin_is_reported_and_others_load(site: Path) -> None:
@@ -170,8 +214,10 @@ def test_missing_framework_is_unavailable_with_extra_hint() -> None:
     entry = registry.resolve("callback", "ghost")
     assert not entry.available
     assert entry.missing == ["ghost_framework_mod"]
-    with pytest.raises(reg.ComponentUnavailableError, match=r"pip install 'ivyplug\[ghost\]'"):
+    with pytest.raises(reg.ComponentUnavailableError, match=r"pip install 'manual-pkg\[ghost\]'"):
         registry.get("callback", "ghost")
+    third = reg.Entry(Callback("ghost", "g:G", requires=("ghost_framework_mod",), extra="gpu"), "ghost-pkg", "g")
+    assert third.install_hint() == "needs ghost_framework_mod: pip install 'ghost-pkg[gpu]'"  # its package's extra
 
 
 def test_component_records_validate_their_fields() -> None:

@@ -59,6 +59,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ivyplug.commands.output_paths import unwritable_file
+
+    for option, path in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
+        why = unwritable_file(option, path) if path is not None else None
+        if why is not None:  # before the run: its results would be lost at the end
+            print(f"ivyplug bench {args.name}: {why}", file=sys.stderr)
+            return 2
     module = importlib.import_module(BENCHMARKS[args.name])
     extra: dict[str, object] = {}
     draw = None

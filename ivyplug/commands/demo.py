@@ -356,6 +356,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ivyplug demo: error: {exc}", file=sys.stderr)
         return 2
+    from ivyplug.commands.output_paths import unwritable_folder
+
+    why = unwritable_folder("--out", args.out)
+    if why is not None:
+        print(f"ivyplug demo: error: {why}", file=sys.stderr)
+        return 2
     print(
         f"ivyplug demo: {len(RUN_NAMES)} runs ({', '.join(RUN_NAMES)}), {epochs} epochs each, 2 CPU workers, "
         f"worker 1 {args.slowdown:g}x slower at compute{' (--quick)' if args.quick else ''}",

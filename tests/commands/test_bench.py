@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from ivyplug.benchmarks import across_hosts
 
@@ -55,3 +57,29 @@ def test_a_valid_selection_runs(no_jobs: list[object], capsys: pytest.CaptureFix
         main(["bench", "hosts", "--select", "rate=1gbit", "--select", "slowdown=1", "--select", "optimizer=adamw"]) == 0
     )
     assert len(no_jobs) == 1 and "one worker each, AdamW," in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_path_it_cannot_write_is_refused_before_the_run(
+    option: str, no_jobs: list[object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A benchmark ran to its end and then lost its results in a traceback where ``--json`` could not be written;
+    the path is checked first (a folder where the file should be, a folder that cannot be made)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for path, why in ((tmp_path, "is a folder; name a file"), (blocker / "r.json", "cannot make its folder")):
+        assert main(["bench", "hosts", "--select", "rate=1gbit", option, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ivyplug bench hosts: {option} {path}: {why}") and "Traceback" not in err, err
+    assert no_jobs == []
+
+
+def test_demo_refuses_an_out_folder_it_cannot_make_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["demo", "--quick", "--out", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ivyplug demo: error: --out {blocker / 'out'}: cannot make its folder"), err
+    assert "Traceback" not in err

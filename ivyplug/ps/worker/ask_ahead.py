@@ -26,6 +26,7 @@ class AskAhead:
     """Times a worker's requests to the batch queue and decides, per epoch, whether to ask one index ahead.
 
     Example:
+        >>> from ivyplug.ps.worker.ask_ahead import AskAhead
         >>> ahead = AskAhead()
         >>> ahead.start_epoch()
         >>> for t in (0.0, 1.0, 2.0):  # answers of 0.3 s after 0.7 s of training each

@@ -40,9 +40,14 @@ def _float(value: Any) -> float:
     return float(value)
 
 
+#: How a switch may be spelt in an environment variable (any case), as ivyplug's other switches
+#: (``IVYPLUG_DISABLE_*``) are; a project file takes TOML's true and false.
+_ENV_BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
+
+
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise TypeError("true or false")
+        raise TypeError("true or false (in an environment variable also 1/0, yes/no, on/off, in any case)")
     return value
 
 
@@ -132,7 +137,9 @@ def project_settings(
         raise ValueError(f"unknown environment variable(s) {unknown}; allowed: {sorted(names)}")
     for name, key in names.items():
         if name in environ:
-            values[key], origin[key] = _env_value(environ[name]), f"environment variable {name}"
+            raw = environ[name]
+            value = _ENV_BOOLS.get(raw.strip().lower(), raw) if parsers[key] is _bool else _env_value(raw)
+            values[key], origin[key] = value, f"environment variable {name}"
     out: dict[str, tuple[Any, str]] = {}
     for key, value in values.items():
         try:

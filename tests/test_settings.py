@@ -103,3 +103,17 @@ def test_a_refused_value_from_code_names_no_project_source(tmp_path: Path, monke
 def test_unknown_section_lists_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown ivyplug settings section 'pss'; known: \['ps'\]"):
         project_defaults("pss")
+
+
+def test_a_switch_in_the_environment_takes_the_spellings_of_ivyplugs_other_switches(tmp_path: Path) -> None:
+    """``IVYPLUG_PS_SHARED_MEMORY`` took only TOML's lowercase true/false, where ``IVYPLUG_DISABLE_*`` take
+    1/true/yes/on in any case; a project file still takes TOML booleans only."""
+    start = _project(tmp_path, "[project]\nname = 'x'\n")
+    for raw, want in (("1", True), ("True", True), ("YES", True), ("on", True), ("0", False), ("Off", False)):
+        env = {"IVYPLUG_PS_SHARED_MEMORY": raw}
+        assert project_defaults("ps", start=start, environ=env) == {"shared_memory": want}, raw
+    with pytest.raises(ValueError, match=r"IVYPLUG_PS_SHARED_MEMORY must be true or false \(in an environment"):
+        project_defaults("ps", start=start, environ={"IVYPLUG_PS_SHARED_MEMORY": "maybe"})
+    with pytest.raises(ValueError, match=r"\[tool.ivyplug.ps\] shared_memory must be true or false"):
+        (tmp_path / "b").mkdir()
+        project_defaults("ps", start=_project(tmp_path / "b", "[tool.ivyplug.ps]\nshared_memory = 1\n"), environ={})

@@ -155,9 +155,11 @@ class PSConfig:
 
         A keyword given as None that the settings know (``timeout``, ``num_servers``, ``servers``…) takes the
         project's value, else the built-in default; a keyword not given takes the built-in default (a caller
-        that offers no ``num_servers`` never reads it); others are used as given. The token comes from code,
-        else ``$IVYPLUG_TOKEN`` (never a project file). ``caller``: whose arguments these are, named by a refusal
-        (``IvyPSStrategy: mode must be one of ...``) in place of the dataclass's fields.
+        that offers no ``num_servers`` never reads it); others are used as given. ``servers`` and ``num_servers``
+        choose where the shards run, one or the other: the one given in code also overrides the project's other.
+        The token comes from code, else ``$IVYPLUG_TOKEN`` (never a project file). ``caller``: whose arguments
+        these are, named by a refusal (``IvyPSStrategy: mode must be one of ...``) in place of the dataclass's
+        fields.
         """
         from ivyplug import settings
 
@@ -167,9 +169,10 @@ class PSConfig:
         taken: dict[str, str] = {}  # key -> where the project set it
         for key, value in overrides.items():
             if value is None and key in settings.SECTIONS["ps"]:
-                if key in project:
+                chosen_in_code = overrides.get(_OTHER_TOPOLOGY.get(key, "")) is not None
+                if key in project and not chosen_in_code:
                     values[key], taken[key] = project[key]
-                else:
+                else:  # unset, or the code chose the other topology: the project's choice yields to the code's
                     values[key] = defaults.get(key)
         values["token"] = settings.token(overrides.get("token"))
         try:
@@ -187,6 +190,11 @@ class PSConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["token"] = None if self.token is None else "<set>"
         return out
+
+
+#: Settings that choose the same thing (where the shards run) in two ways: one given in code leaves the project's
+#: value of the other unread.
+_OTHER_TOPOLOGY = {"servers": "num_servers", "num_servers": "servers"}
 
 
 def naming_sources(refusal: str, sources: Mapping[str, str]) -> str:

@@ -65,3 +65,25 @@ def test_from_settings_fills_only_the_keywords_given_as_none(tmp_path: Path, mon
     assert PSConfig.from_settings(token="mine").token == "mine"
     with pytest.raises(ValueError, match="unknown PSConfig field"):
         PSConfig.from_settings(timeot=None)
+
+
+def test_a_topology_chosen_in_code_overrides_the_projects_other_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``servers`` and ``num_servers`` choose where the shards run: ``servers=`` in code with ``num_servers = 2`` in
+    the project (or the reverse through the environment) was refused as if the code had set both; an argument in
+    code comes first. Both from the same source are still refused."""
+    for name in ("IVYPLUG_PS_NUM_SERVERS", "IVYPLUG_PS_SERVERS"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "pyproject.toml").write_text("[tool.ivyplug.ps]\nnum_servers = 2\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = PSConfig.from_settings(servers="127.0.0.1:29600", num_servers=None)
+    assert (cfg.servers, cfg.num_servers) == ("127.0.0.1:29600", 0)
+    assert PSConfig.from_settings(servers=None, num_servers=None).num_servers == 2  # the project's, unchallenged
+    monkeypatch.setenv("IVYPLUG_PS_SERVERS", "10.0.0.1:29600")
+    cfg = PSConfig.from_settings(servers=None, num_servers=1)
+    assert (cfg.servers, cfg.num_servers) == (None, 1)
+    with pytest.raises(ValueError, match=r"num_servers=2 would start servers of the job's own: set one of them"):
+        PSConfig.from_settings(servers=None, num_servers=None)  # both from the project's settings
+    with pytest.raises(ValueError, match=r"set one of them"):
+        PSConfig.from_settings(servers="127.0.0.1:29600", num_servers=1)  # both in code

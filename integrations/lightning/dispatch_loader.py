@@ -63,7 +63,14 @@ from ivyplug.integrations.lightning.lightning_internals import insert_first, sam
 from ivyplug.integrations.lightning.share_sampler import loader_settings
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 
 class BatchDispatcher(Protocol):
@@ -182,6 +189,9 @@ class DispatchBatchSampler:
         #: ask for the next batch after training one (DispatchEpochEnd does), not before yielding it; set per
         #: epoch by DispatchEpochEnd where the loader has no worker processes and gradients are not accumulated
         self.ask_after_training = False
+        #: the most batches this worker trains this epoch (Lightning's ``limit_train_batches``/``overfit_batches``;
+        #: set per epoch by DispatchEpochEnd): it asks for no batch past them, which it would never train
+        self.cap: int | None = None
         self._answer: int | _NotAsked | None = _NOT_ASKED
 
     @property
@@ -273,7 +283,8 @@ class DispatchBatchSampler:
             self.served.append(index)
             after = self.ask_after_training
             if not after:
-                following = self.dispatcher.next_batch(self.finished)
+                capped = self.cap is not None and len(self.served) >= self.cap
+                following = None if capped else self.dispatcher.next_batch(self.finished)
                 if following is None:
                     self.last_position = len(self.served) - 1
             yield order[index * self.batch_size : (index + 1) * self.batch_size]
@@ -353,6 +364,8 @@ class DispatchEpochEnd(Callback):
             # asked after training, the epoch's last batch is known only once trained: with accumulated gradients
             # it must be known before (Lightning steps the partial accumulation at the last batch)
             self._sampler.ask_after_training = self._sampler.fetches_in_step and trainer.accumulate_grad_batches == 1
+            limit = trainer.num_training_batches
+            self._sampler.cap = int(limit) if math.isfinite(limit) and limit < len(self._sampler) else None
         elif count and not self._warned:
             self._warned = True
             rank_zero_warn(
@@ -416,14 +429,19 @@ def _step_limit_reached(trainer: Any) -> bool:
 
 
 def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
-    if isinstance(sampler, DistributedSampler) and type(sampler) is DistributedSampler:
+    """Whether ``sampler`` shuffles, and the seed: only for samplers whose order the dispatch reproduces (each
+    index once per epoch, shuffled or in order); a subclass, a sampler with replacement or another number of
+    samples would be trained in another order or amount, so it is refused."""
+    if type(sampler) is DistributedSampler:
         return bool(sampler.shuffle), int(sampler.seed)
-    if isinstance(sampler, RandomSampler):  # use_distributed_sampler=False: seed as Lightning would
-        return True, int(os.environ.get("PL_GLOBAL_SEED", 0))
-    if isinstance(sampler, SequentialSampler):
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return True, int(os.environ.get("PL_GLOBAL_SEED", 0))  # use_distributed_sampler=False: seed as Lightning
+    if type(sampler) is SequentialSampler:
         return False, 0
     inner = sampler_inside(sampler)  # in Lightning's DistributedSamplerWrapper
     name = type(sampler).__name__ + (f" around a {type(inner).__name__}" if inner is not None else "")
+    if type(sampler) is RandomSampler:
+        name += " drawing with replacement" if sampler.replacement else f" of num_samples={sampler._num_samples}"
     raise ValueError(
         f"IvyPSStrategy(mode='async'/'ssp') hands out batches itself and needs a plain sampler, got {name}; "
         "use shuffle=True/False (and the default use_distributed_sampler=True) or mode='sync'"
@@ -441,16 +459,17 @@ def make_dispatch_loader(
         )
     batch_size = dataloader.batch_size
     drop_last = dataloader.drop_last
-    if batch_size is None:
+    sampler = dataloader.sampler
+    if batch_size is None:  # a batch_sampler given: only torch's own, whose batches are its sampler's in order
         inner = dataloader.batch_sampler
-        batch_size = getattr(inner, "batch_size", None)
-        drop_last = bool(getattr(inner, "drop_last", False))
-        if not isinstance(batch_size, int):
+        if type(inner) is not BatchSampler:
             raise ValueError(
-                "IvyPSStrategy(mode='async'/'ssp') needs a training DataLoader with a fixed batch_size, got a custom "
-                f"batch_sampler {type(inner).__name__}"
+                "IvyPSStrategy(mode='async'/'ssp') hands out batches itself and needs a training DataLoader with a "
+                f"batch_size (or torch's BatchSampler), got a custom batch_sampler {type(inner).__name__}, whose "
+                "batches it cannot reproduce; use mode='sync'"
             )
-    shuffle, seed = _shuffle_and_seed(dataloader.sampler)
+        batch_size, drop_last, sampler = inner.batch_size, inner.drop_last, inner.sampler
+    shuffle, seed = _shuffle_and_seed(sampler)
     batch_sampler = DispatchBatchSampler(
         dispatcher,
         len(dataloader.dataset),  # type: ignore[arg-type]

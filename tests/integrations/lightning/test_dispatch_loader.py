@@ -258,3 +258,69 @@ def test_make_dispatch_loader_refuses_what_it_cannot_dispatch() -> None:
     too_few = DispatchBatchSampler(SharedQueue(), 4, 4, shuffle=False, rank=0, world_size=2)
     with pytest.raises(ValueError, match="at least one batch per worker"):
         next(iter(too_few))
+
+
+def test_samplers_whose_batches_it_cannot_reproduce_are_refused_not_replaced() -> None:
+    """A custom BatchSampler (say, buckets by label), a sampler subclass with its own order, or a RandomSampler
+    drawing with replacement or another number of samples were replaced by plain sequential batches, without a
+    word; they are refused, naming what was given. torch's own samplers keep their order: a BatchSampler over a
+    RandomSampler shuffles, over a SequentialSampler does not."""
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    ds = TensorDataset(torch.arange(16))
+
+    class Buckets(BatchSampler):
+        pass
+
+    class Reversed(SequentialSampler):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(len(self.data_source) - 1, -1, -1))
+
+    refused = {
+        "custom batch_sampler Buckets": DataLoader(ds, batch_sampler=Buckets(RandomSampler(ds), 4, False)),
+        "got Reversed": DataLoader(ds, batch_size=4, sampler=Reversed(ds)),
+        "RandomSampler drawing with replacement": DataLoader(ds, batch_size=4, sampler=RandomSampler(ds, True)),
+        "RandomSampler of num_samples=8": DataLoader(ds, batch_size=4, sampler=RandomSampler(ds, num_samples=8)),
+    }
+    for name, loader in refused.items():
+        with pytest.raises(ValueError, match=f"IvyPSStrategy\\(mode='async'/'ssp'\\) .*{name}"):
+            make_dispatch_loader(loader, SharedQueue())
+    for inner, shuffles in ((RandomSampler(ds), True), (SequentialSampler(ds), False)):
+        made = make_dispatch_loader(DataLoader(ds, batch_sampler=BatchSampler(inner, 4, True)), SharedQueue())
+        sampler = made.batch_sampler
+        assert isinstance(sampler, DispatchBatchSampler)
+        assert (sampler.sampler.shuffle, sampler.batch_size, sampler.drop_last) == (shuffles, 4, True)
+
+
+def test_a_worker_capped_by_limit_train_batches_asks_for_no_batch_it_will_not_train() -> None:
+    """With loader processes the sampler asks for the next batch before yielding one; at Lightning's cap
+    (``limit_train_batches``, ``overfit_batches``) it asked for one more, which it never trained: lost for the
+    epoch, so which batches a capped fit trained changed from epoch to epoch (overfit_batches=2 trained batches
+    0, 1, 2 and then 5, 6 or 7). At the cap it asks for none and ends its epoch there."""
+    ds = TensorDataset(torch.arange(32))
+    queue = SharedQueue()
+    workers = [
+        make_dispatch_loader(DataLoader(ds, batch_size=4, num_workers=1), queue, rank=r, world_size=2) for r in (0, 1)
+    ]
+    callback = DispatchEpochEnd()
+    trainers = []
+    for loader in workers:
+        trainer = _fit_stub(loader)
+        trainer.num_training_batches = 2  # Lightning's limit_train_batches=2 (or overfit_batches=2)
+        callback.on_train_start(trainer, None)
+        trainers.append(trainer)
+    trained: list[list[int]] = [[], []]
+    with reaped_children():
+        for r in (0, 1):  # each worker in turn, as far as its cap (the other has not asked yet: the worst case)
+            callback.on_train_epoch_start(trainers[r], None)
+            sampler = workers[r].batch_sampler
+            assert isinstance(sampler, DispatchBatchSampler) and sampler.cap == 2
+            for batch_idx, (batch,) in enumerate(workers[r]):
+                trained[r] += batch.tolist()
+                callback.on_train_batch_start(trainers[r], None, batch, batch_idx)
+                callback.on_train_batch_end(trainers[r], None, None, batch, batch_idx)
+                if batch_idx + 1 >= trainers[r].num_training_batches:
+                    break
+            assert sampler.served == ([0, 2] if r == 0 else [1, 3]), sampler.served
+    assert sorted(trained[0] + trained[1]) == list(range(16))  # the first four batches, each once
+    assert queue.next == 4  # no batch was handed out that nobody trained

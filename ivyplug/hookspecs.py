@@ -22,6 +22,11 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def ivyplug_strategies() -> Iterable[Strategy]:
     """Contribute training strategies.
 
+    The registry lists them (``ivyplug list``) and hands out their classes
+    (``ivyplug.get_registry().get("strategy", "my_ps")``); ``Trainer(strategy="...")`` strings are Lightning's
+    own registry, where ivyplug registers its own strategies only: a plugin that wants a string name registers
+    it there itself (``lightning.pytorch.strategies.StrategyRegistry.register``).
+
     Example::
 
         @ivyplug.hookimpl
@@ -63,4 +68,7 @@ def ivyplug_probes() -> Iterable[Probe]:
         @ivyplug.hookimpl
         def ivyplug_probes():
             yield Probe("rocm", "my_pkg.rocm:RocmProbe", requires=("pyrsmi",), extra="rocm")
+
+    ``extra`` names an extra of the package that ships the probe (the install hint reads
+    ``pip install 'my-pkg[rocm]'``).
     """

@@ -434,14 +434,15 @@ def _shuffle_and_seed(sampler: Any) -> tuple[bool, int]:
     samples would be trained in another order or amount, so it is refused."""
     if type(sampler) is DistributedSampler:
         return bool(sampler.shuffle), int(sampler.seed)
-    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+    whole = type(sampler) is RandomSampler and sampler.num_samples == len(sampler.data_source)  # type: ignore[arg-type]
+    if whole and not sampler.replacement:
         return True, int(os.environ.get("PL_GLOBAL_SEED", 0))  # use_distributed_sampler=False: seed as Lightning
     if type(sampler) is SequentialSampler:
         return False, 0
     inner = sampler_inside(sampler)  # in Lightning's DistributedSamplerWrapper
     name = type(sampler).__name__ + (f" around a {type(inner).__name__}" if inner is not None else "")
     if type(sampler) is RandomSampler:
-        name += " drawing with replacement" if sampler.replacement else f" of num_samples={sampler._num_samples}"
+        name += " drawing with replacement" if sampler.replacement else f" of num_samples={sampler.num_samples}"
     raise ValueError(
         f"IvyPSStrategy(mode='async'/'ssp') hands out batches itself and needs a plain sampler, got {name}; "
         "use shuffle=True/False (and the default use_distributed_sampler=True) or mode='sync'"

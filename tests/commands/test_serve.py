@@ -126,7 +126,13 @@ def test_ctrl_c_while_a_join_waits_ends_with_one_line_and_exit_130() -> None:
 
     argv = ["serve", "--shards", "1", "--port", "0", "--join", f"127.0.0.1:{free_port()}", "--timeout", "60"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ivyplug", *argv], stderr=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-m", "ivyplug", *argv],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # as typed in a shell: a test runner's worker (or a background job) may ignore SIGINT, and a child that
+        # starts with it ignored never gets Python's KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         time.sleep(3.0)  # past the imports, into the wait

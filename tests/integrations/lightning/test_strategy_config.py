@@ -175,6 +175,8 @@ def test_shared_memory_from_argument_environment_and_pyproject(tmp_path: Path, m
     monkeypatch.setenv("IVYPLUG_PS_SHARED_MEMORY", "true")
     assert IvyPSStrategy().ps_config.shared_memory is True  # the environment beats the file
     assert IvyPSStrategy(shared_memory=False).ps_config.shared_memory is False  # an argument beats both
-    monkeypatch.setenv("IVYPLUG_PS_SHARED_MEMORY", "1")
+    monkeypatch.setenv("IVYPLUG_PS_SHARED_MEMORY", "0")  # a switch's other spellings (1/0, yes/no, on/off)
+    assert IvyPSStrategy().ps_config.shared_memory is False
+    monkeypatch.setenv("IVYPLUG_PS_SHARED_MEMORY", "maybe")
     with pytest.raises(ValueError, match="IVYPLUG_PS_SHARED_MEMORY"):
         IvyPSStrategy()

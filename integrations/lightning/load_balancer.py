@@ -124,6 +124,8 @@ class IvyLoadBalancer(CoreState, Callback):
         super().__init__()
         if max_oom_splits is not None:
             _warn_renamed("max_oom_splits", "oom_max_parts")
+            if isinstance(max_oom_splits, bool) or not isinstance(max_oom_splits, int) or max_oom_splits < 1:
+                raise ValueError(f"max_oom_splits (now oom_max_parts) must be an int >= 1, got {max_oom_splits!r}")
             oom_max_parts = max_oom_splits
         given = locals()
         self.config = BalancerConfig(**{k: given[k] for k in BalancerConfig.option_names()})  # names a bad one
@@ -212,6 +214,20 @@ class IvyLoadBalancer(CoreState, Callback):
         self._device_index = root.index if root.type == "cuda" else None
         adapt, goodput = self.config.adapt_batch_size, self.config.goodput_on
         self._rules = [resolve_rule(self.config.lr_scaling, opt) for opt in trainer.optimizers] if adapt else []
+        if adapt and self.monitoring_only is None:
+            for config in trainer.lr_scheduler_configs:
+                total = getattr(config.scheduler, "total_steps", None)
+                if isinstance(total, int):  # OneCycleLR: a shrink of B adds steps to the epochs that follow
+                    rank_zero_warn(
+                        f"IvyLoadBalancer: {type(config.scheduler).__name__}(total_steps={total}) counts steps, and a "
+                        "smaller batch size makes more steps per epoch: sized for the loader's batch size, it can "
+                        "run past its end (torch then raises); leave it room, or set min_batch_size to that size"
+                    )
+        current, initial = self.core.batch_size, self.core.initial_batch_size
+        if adapt and current is not None and initial is not None and current != initial:
+            # a later fit starts at the B the last one reached, with fresh optimizers: give them that B's LR, as the
+            # Keras twin's next fit has it (a resumed fit's optimizer state, restored after this, brings it too)
+            self.lr_factor = rescale_lr(trainer.optimizers, trainer.lr_scheduler_configs, self._rules, initial, current)
         model = trainer.strategy.model
         ddp = isinstance(model, DistributedDataParallel) and (self._world > 1 or self._user_hook is not None)
         if ddp:  # two squared norms per bucket and step: paid only where the goodput rule uses them
@@ -226,6 +242,12 @@ class IvyLoadBalancer(CoreState, Callback):
         if self.goodput_unavailable is not None and adapt and goodput:
             warn_no_estimate(self.goodput_unavailable, self.monitoring_only is not None)
         self._accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+        if self.config.oom_recovery and pl_module.automatic_optimization and self._accumulate > 1:
+            rank_zero_warn(
+                f"IvyLoadBalancer: oom_recovery splits a batch that ran out of memory only with "
+                f"accumulate_grad_batches=1; with {self._accumulate} an out-of-memory error ends the fit "
+                "(oom_recovery=False turns recovery off)"
+            )
         if self.config.oom_recovery and pl_module.automatic_optimization:
             self._oom = OOMRecovery(
                 trainer, pl_module, self.config.oom_max_parts, self.share_options.loss_reduction, self._count_oom

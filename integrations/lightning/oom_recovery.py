@@ -155,7 +155,7 @@ class OOMRecovery:
     def _run_parts(
         self, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any], optimizer: Any, total: int, finish_here: bool
     ) -> Any:
-        micro = split_batch(batch, self.parts)
+        micro = split_batch(batch, min(self.parts, total))  # a split kept from a larger batch fits this one too
         seen = torch.zeros(())
         run_here = micro if finish_here else micro[:-1]
         for part in run_here:

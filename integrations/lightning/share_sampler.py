@@ -8,7 +8,8 @@ gets the same number of batches, none empty, and every sample is used once per e
 A ``DataLoader`` refuses a new ``batch_sampler`` after construction, so :func:`rebuild_loader` makes
 a new plain ``DataLoader`` with the same dataset, workers, collate function and memory settings.
 :func:`why_unsupported` names the loaders this cannot reproduce faithfully (iterable data sets,
-custom samplers or DataLoader subclasses): those are left alone.
+custom samplers or DataLoader subclasses, and across ranks a loader Lightning did not split): those are left
+alone.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class LoaderSpec:
     drop_last: bool
 
 
-def why_unsupported(loader: object) -> str | None:
-    """A reason this loader cannot get a share sampler, or ``None`` when it can."""
+def why_unsupported(loader: object, world: int = 1) -> str | None:
+    """A reason this loader cannot get a share sampler, or ``None`` when it can (``world``: the ranks)."""
     if not isinstance(loader, DataLoader):
         return f"the training loader is a {type(loader).__name__}, not a torch DataLoader"
     if type(loader) is not DataLoader:
@@ -54,6 +55,13 @@ def why_unsupported(loader: object) -> str | None:
         return f"the training loader uses a custom batch sampler ({type(loader.batch_sampler).__name__})"
     if type(loader.sampler) not in (RandomSampler, SequentialSampler, DistributedSampler):
         return f"the training loader uses a custom sampler ({type(loader.sampler).__name__})"
+    if world > 1 and not isinstance(loader.sampler, DistributedSampler):
+        # Lightning did not split the data (use_distributed_sampler=False): each rank's loader may hold a part of
+        # its own, or all of it, and shares of one global B over its indices would train another epoch than DDP's
+        return (
+            "the training loader has no DistributedSampler (use_distributed_sampler=False): each rank's data is its "
+            "own, which shares of one batch across ranks cannot cut"
+        )
     return None
 
 
@@ -173,7 +181,7 @@ def share_loader(
 ) -> tuple[object, ShareBatchSampler | str]:
     """``loader`` rebuilt with the core's B and shares (B taken from it the first time) and its sampler, or
     ``loader`` as it is and why it cannot be rebuilt (:func:`why_unsupported`)."""
-    reason = why_unsupported(loader)
+    reason = why_unsupported(loader, world)
     if reason is not None:
         return loader, reason
     assert isinstance(loader, DataLoader)

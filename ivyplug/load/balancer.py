@@ -10,6 +10,7 @@ imports a framework; every input is a plain number or a JSON-able record, so ran
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -114,6 +115,14 @@ class BalancerCore:
             initial = self.initial_batch_size or self.batch_size
             low, high = policy_bounds(self.config, initial, workers, multiple, most)
             self.policy = BatchSizePolicy(low, high, **self.config.policy_rules())
+            if not low <= self.batch_size <= high:
+                warnings.warn(
+                    f"IvyLoadBalancer: the batch size {self.batch_size} is outside the bounds [{low}, {high}] "
+                    "(min_batch_size, max_batch_size): it stays there until a decision moves it, and then only "
+                    "toward them (a shrink never grows it, a growth never shrinks it)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return self.policy
 
     def start(self, batch_size: int, workers: int = 1) -> None:

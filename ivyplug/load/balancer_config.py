@@ -181,6 +181,8 @@ class ShareOptions:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.balance_shares, bool):
+            raise ValueError(f"balance_shares must be True or False, got {self.balance_shares!r}")
         window = self.share_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 2:
             raise ValueError(f"share_window must be an int >= 2 (a line needs two shares), got {window!r}")

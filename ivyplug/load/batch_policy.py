@@ -106,9 +106,9 @@ class BatchSizePolicy:
                 f"max_batch_size ({self.max_batch_size}) must be >= min_batch_size ({self.min_batch_size})"
             )
         _check_float("grow_factor", self.grow_factor, 1.0, 1e6, low_open=True)
-        _check_float("shrink_factor", self.shrink_factor, 0.0, 1.0, low_open=True)
-        if self.shrink_factor >= 1.0:
-            raise ValueError(f"shrink_factor must be in (0, 1), got {self.shrink_factor!r}")
+        shrink = self.shrink_factor
+        if isinstance(shrink, bool) or not isinstance(shrink, (int, float)) or not 0.0 < shrink < 1.0:
+            raise ValueError(f"shrink_factor must be a number in (0, 1), got {shrink!r}")
         _check_float("grow_below_utilization", self.grow_below_utilization, 0.0, 100.0)
         _check_float("memory_low", self.memory_low, 0.0, 1.0)
         _check_float("memory_high", self.memory_high, 0.0, 1.0)
@@ -149,7 +149,7 @@ class BatchSizePolicy:
 
         if observation.oom_count > 0 or (mem is not None and mem >= self.memory_high):
             target = max(1, math.floor(batch_size * self.shrink_factor))
-            new = self.clamp(target, state.ceiling)
+            new = min(batch_size, self.clamp(target, state.ceiling))  # a B below min_batch_size stays, never grows
             ceiling = new if observation.oom_count > 0 else state.ceiling
             why = f"out of memory ({observation.oom_count}x)" if observation.oom_count else f"memory {mem:.0%}"
             return self._outcome(batch_size, new, f"shrink: {why}", replace(aged, ceiling=ceiling))
@@ -160,7 +160,7 @@ class BatchSizePolicy:
             return Decision(batch_size, False, "hold: utilisation or memory unknown", aged)
         if util < self.grow_below_utilization and mem <= self.memory_low:
             target = max(batch_size + 1, math.ceil(batch_size * self.grow_factor))
-            new = self.clamp(target, state.ceiling)
+            new = max(batch_size, self.clamp(target, state.ceiling))  # a B above max_batch_size stays, never shrinks
             why = f"utilisation {util:.0f}%, memory {mem:.0%}"
             if self.goodput and new != batch_size:
                 gain = None if estimate is None else estimate.gain(batch_size, new)

@@ -100,3 +100,17 @@ def test_observations_prefer_the_gpu_and_fall_back_to_host() -> None:
     assert merged == LoadObservation(40.0, 0.9, 1)
     with pytest.raises(ValueError, match="utilization"):
         LoadObservation(utilization=150.0)
+
+
+def test_a_batch_size_outside_the_bounds_moves_only_toward_them() -> None:
+    """B below ``min_batch_size`` under memory pressure was "shrunk" up to the minimum (and the learning rate with
+    it); B above ``max_batch_size`` on an idle device was "grown" down to the maximum. A shrink never grows B and a
+    growth never shrinks it: outside the bounds B holds until a decision moves it toward them."""
+    policy = BatchSizePolicy(min_batch_size=24, max_batch_size=48, cooldown=0, goodput=False)
+    below = policy.decide(16, FULL)
+    assert (below.batch_size, below.changed) == (16, False) and "at the bound" in below.reason
+    assert policy.decide(16, IDLE).batch_size == 32  # a growth from below moves it in
+    above = policy.decide(64, IDLE)
+    assert (above.batch_size, above.changed) == (64, False) and "at the bound" in above.reason
+    assert policy.decide(64, FULL).batch_size == 32  # a shrink from above moves it in
+    assert policy.decide(100, FULL).batch_size == 48  # ... as far as the bound

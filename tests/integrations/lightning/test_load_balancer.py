@@ -135,6 +135,55 @@ def test_oom_beyond_the_split_limit_is_a_clear_error() -> None:
         _fit(model, cb, max_epochs=1)
 
 
+def test_a_split_kept_from_a_larger_batch_fits_a_smaller_one() -> None:
+    """The split an OOM found is kept for the rest of the epoch; a later batch with fewer samples than parts (the
+    epoch's last, or a small share) ended the fit with "cannot split a batch of 2 samples into 4 non-empty
+    parts". It is cut into as many parts as it has samples."""
+    model = DigitsMLP(batch_size=4, n=30, optimizer="sgd", lr=0.1, oom_above=1)  # 7 batches of 4, one of 2
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([BAND])], interval=0.05, adapt_batch_size=False)
+    _fit(model, cb, max_epochs=1)
+    assert sorted(_per_epoch(model)[0]) == list(range(30))
+    assert Counter(model.batch_sizes) == {(0, 1): 30}
+
+
+def test_oom_recovery_under_gradient_accumulation_is_warned_at_fit_start() -> None:
+    """Micro-batch recovery needs ``accumulate_grad_batches=1``; with more, the first OOM ended the fit and nothing
+    had said so. The fit now starts with a warning naming the limit."""
+    model = DigitsMLP(batch_size=16, n=64)
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([BAND])], interval=0.05, goodput=False)
+    with pytest.warns(UserWarning, match=r"oom_recovery splits a batch .* only with accumulate_grad_batches=1; with 2"):
+        _fit(model, cb, max_epochs=1, accumulate_grad_batches=2)
+
+
+def test_a_second_fit_starts_at_the_reached_batch_size_with_its_learning_rate() -> None:
+    """A second fit with the same callback starts at the batch size the first reached, with fresh optimizers: they
+    are given that batch size's learning rate (the first fit's linear rule: 0.01 x 64/32), as the Keras twin's next
+    fit has it. Before, the second fit trained at B=64 with lr 0.01 while ``lr_factor`` said 2."""
+    model = DigitsMLP(batch_size=32, n=256, optimizer="sgd", lr=0.01)
+    cb = IvyLoadBalancer(probes=[ScriptedProbe([IDLE])], interval=0.05, max_batch_size=64, goodput=False)
+    first = _fit(model, cb, max_epochs=1)
+    assert cb.batch_size == 64 and first.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.02, rel=1e-12)
+    second = _fit(model, cb, max_epochs=1)
+    assert Counter(model.batch_sizes)[(0, 64)] == 4  # the second fit's epoch 0, at the reached size
+    assert second.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.02, rel=1e-12)
+    assert cb.lr_factor == pytest.approx(2.0, rel=1e-12) and cb.metrics["ivy/lr_factor"] == pytest.approx(2.0)
+
+
+def test_across_ranks_a_loader_lightning_did_not_split_is_not_shared_out() -> None:
+    """With ``use_distributed_sampler=False`` each rank's loader holds data of its own (often its own half); shares
+    of one global batch over its indices trained half of each rank's data per epoch, without a word. Across ranks
+    such a loader is left alone (monitoring only, said once); on one rank, or split by Lightning, it is shared."""
+    from ivyplug.integrations.lightning.share_sampler import why_unsupported
+
+    data = digits_dataset(64)
+    plain = DataLoader(data, batch_size=8, shuffle=True)
+    assert why_unsupported(plain, world=1) is None
+    why = why_unsupported(plain, world=2)
+    assert why is not None and "use_distributed_sampler=False" in why
+    split = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    assert why_unsupported(split, world=2) is None
+
+
 class _Stream(IterableDataset):
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(zip(*digits_dataset(64).tensors, strict=True))
@@ -169,6 +218,8 @@ def test_bad_arguments_name_the_parameter() -> None:
         ({"min_batch_size": 8, "max_batch_size": 4}, "max_batch_size"),
         ({"oom_max_parts": 0}, "oom_max_parts"),
         ({"share_window": 1}, "share_window"),
+        ({"balance_shares": "no"}, "balance_shares must be True or False"),
+        ({"shrink_factor": 1.5}, r"shrink_factor must be a number in \(0, 1\)"),
     ):
         with pytest.raises(ValueError, match=match):
             IvyLoadBalancer(**kwargs)  # type: ignore[arg-type]

@@ -347,11 +347,22 @@ class DispatchEpochEnd(Callback):
     def __init__(self) -> None:
         self._sampler: DispatchBatchSampler | None = None
         self._warned = False
+        self._begun: int | None = None  # the epoch whose start this callback saw
+        #: Lightning's batch_idx of this epoch's first batch here: 0, or the batches a mid-epoch checkpoint had
+        #: trained (the sampler's positions count from this run's first batch)
+        self._offset = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._warned = False  # once per fit
+        self._begun = None
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._begin(trainer, 0)
+
+    def _begin(self, trainer: Any, offset: int) -> None:
+        """Find this epoch's dispatch sampler; at the epoch's start, or at the first batch of an epoch resumed
+        mid-way from a checkpoint (Lightning then skips ``on_train_epoch_start``)."""
+        self._begun, self._offset = trainer.current_epoch, offset
         samplers, count = _dispatch_samplers(trainer)
         if samplers and count > 1:
             raise ValueError(
@@ -376,7 +387,9 @@ class DispatchEpochEnd(Callback):
             )
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._sampler is not None and self._sampler.is_last(batch_idx):
+        if self._begun != trainer.current_epoch:  # resumed mid-epoch: no epoch start was seen
+            self._begin(trainer, batch_idx)
+        if self._sampler is not None and self._sampler.is_last(batch_idx - self._offset):
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -384,17 +397,19 @@ class DispatchEpochEnd(Callback):
         sampler = self._sampler
         if sampler is None:
             return
+        position = batch_idx - self._offset
         capped = batch_idx + 1 >= trainer.num_training_batches
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or capped or sampler.is_last(batch_idx):
-            sampler.batch_done(batch_idx)
-        last = capped or sampler.is_last(batch_idx)
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or capped or sampler.is_last(position):
+            sampler.batch_done(position)
+        last = capped or sampler.is_last(position)
         if not last and _step_limit_reached(trainer):
             # no worker takes another batch: every one ends this epoch after the batches it holds, validates as at
-            # any epoch end (so all of them meet the same collectives) and learns at on_train_epoch_end to stop
+            # any epoch end (so all of them meet the same collectives) and learns at on_train_epoch_end to stop;
+            # its epoch-interval schedulers step here, as the other workers' do where the queue runs dry
             sampler.stop()
-            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+            _end_epoch_at_this_batch(trainer)
             last = True
-        if not last and not trainer.should_stop and sampler.ask_after(batch_idx):
+        if not last and not trainer.should_stop and sampler.ask_after(position):
             _end_epoch_at_this_batch(trainer)
             last = True
         if last or trainer.should_stop:

@@ -9,6 +9,9 @@
 * ``sync``: a fit with ``StochasticWeightAveraging``, whose average copied in at the end of
   training must stay the model's.
 
+``python features_job.py OUT resume``: async, a checkpoint saved mid-epoch resumed by ``fit(ckpt_path=...)``
+(each rank writes ``OUT/resume-rank<r>.json``: the indices it trained per epoch, its LR at each epoch's end).
+
 ``python features_job.py OUT allgather``: ``self.all_gather`` inside ``training_step`` in async, which must fail
 on every rank at once with an error that says why, not wait for workers that are elsewhere.
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from ivyplug.integrations.lightning import IvyPSStrategy
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
 from sklearn.datasets import load_digits
@@ -56,7 +60,7 @@ def data() -> TensorDataset:
     return TensorDataset(torch.tensor(x[:640] / 16.0, dtype=torch.float32), torch.tensor(y[:640]))
 
 
-def trainer(strategy: str, root: Path, **kwargs: object) -> pl.Trainer:
+def trainer(strategy: object, root: Path, **kwargs: object) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -74,6 +78,9 @@ def main() -> None:
     loader = DataLoader(data(), batch_size=32, shuffle=True)
     if sys.argv[2:] == ["allgather"]:
         trainer("ivy_ps", out / "allgather", max_epochs=1, enable_checkpointing=False).fit(MLP(gather=True), loader)
+        return
+    if sys.argv[2:] == ["resume"]:
+        resume_mid_epoch(out, loader)
         return
     pl.seed_everything(0, verbose=False)
     model = MLP(slow_rank1=True)
@@ -101,6 +108,59 @@ def main() -> None:
     moved = largest_gap(trained.weights, list(average.parameters()))
     result = {"swa_gap": gap, "swa_moved": moved, "steps": t.global_step}
     (out / f"sync-rank{t.global_rank}.json").write_text(json.dumps(result))
+
+
+class SaveMidEpoch(pl.Callback):
+    """Every rank saves ``mid.ckpt`` after batch 3 of epoch 1 (rank 0 writes it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.current_epoch == 1 and args[-1] == 3:
+            trainer.save_checkpoint(self.path)
+
+
+class Batches(pl.Callback):
+    """The dataset indices each epoch trained on this rank, and the learning rate at each epoch's end."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[int]] = {}
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, i: int) -> None:
+        self.seen.setdefault(trainer.current_epoch, []).extend(batch[2].tolist())  # type: ignore[index]
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+class IndexedMLP(MLP):
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch[:2], batch_idx)
+
+    def configure_optimizers(self) -> object:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+
+def resume_mid_epoch(out: Path, loader: DataLoader) -> None:
+    """async: a checkpoint saved mid-epoch resumed with ``fit(ckpt_path=...)``; Lightning then skips that epoch's
+    ``on_train_epoch_start``, where the dispatch found its sampler (both workers waited for each other's batches
+    until the PS timeout)."""
+    x, y = data().tensors
+    indexed = DataLoader(TensorDataset(x, y, torch.arange(len(y))), batch_size=32, shuffle=True)
+    strategy = IvyPSStrategy(mode="async", timeout=30)
+    pl.seed_everything(0, verbose=False)
+    save = SaveMidEpoch(out / "mid.ckpt")
+    first = trainer(strategy, out / "first", max_epochs=2, enable_checkpointing=False, callbacks=[save])
+    first.fit(IndexedMLP(), indexed)
+    seen = Batches()
+    strategy = IvyPSStrategy(mode="async", timeout=30)
+    resumed = trainer(strategy, out / "resumed", max_epochs=4, enable_checkpointing=False, callbacks=[seen])
+    resumed.fit(IndexedMLP(), indexed, ckpt_path=out / "mid.ckpt")
+    result = {"seen": seen.seen, "lrs": seen.lrs, "epoch": resumed.current_epoch}
+    (out / f"resume-rank{resumed.global_rank}.json").write_text(json.dumps(result))
 
 
 def checksum(model: pl.LightningModule) -> float:

@@ -42,6 +42,9 @@ class SharedQueue:
     def end_epoch(self) -> None:
         self.ended += 1
 
+    def stop_epoch(self) -> None:
+        self.next = self.total
+
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_interleaved_workers_see_every_sample_once_per_epoch(drop_last: bool) -> None:
@@ -189,6 +192,7 @@ def _fit_stub(train_dataloader: object, accumulate: int = 1) -> SimpleNamespace:
         should_stop=False,
         max_steps=-1,
         global_step=0,
+        current_epoch=0,
     )
 
 
@@ -324,3 +328,21 @@ def test_a_worker_capped_by_limit_train_batches_asks_for_no_batch_it_will_not_tr
             assert sampler.served == ([0, 2] if r == 0 else [1, 3]), sampler.served
     assert sorted(trained[0] + trained[1]) == list(range(16))  # the first four batches, each once
     assert queue.next == 4  # no batch was handed out that nobody trained
+
+
+def test_the_worker_that_reaches_max_steps_steps_its_epoch_schedulers_as_the_others_do() -> None:
+    """At ``max_steps`` the first worker there stops the queue and ends its epoch after its batch; the others end
+    theirs where the queue runs dry, stepping their epoch-interval schedulers (Lightning learnt only then that the
+    batch was the last). The first one did not step them: the ranks ended with different learning rates."""
+    ds = TensorDataset(torch.arange(32))
+    loader = make_dispatch_loader(DataLoader(ds, batch_size=4), SharedQueue(), rank=0, world_size=2)
+    trainer = _fit_stub(loader)
+    trainer.max_steps, trainer.global_step = 1, 1
+    callback = DispatchEpochEnd()
+    callback.on_train_start(trainer, None)
+    callback.on_train_epoch_start(trainer, None)
+    batch = next(iter(loader))
+    callback.on_train_batch_start(trainer, None, batch, 0)
+    callback.on_train_batch_end(trainer, None, None, batch, 0)
+    assert trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    assert trainer.fit_loop.epoch_loop.stepped == [("epoch", False)]

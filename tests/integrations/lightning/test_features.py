@@ -42,3 +42,20 @@ def test_all_gather_inside_an_async_training_step_is_refused_on_every_rank(tmp_p
     assert returncode != 0, out[-4000:]
     assert "an all_gather (self.all_gather) inside a training batch would wait for the other workers" in out, out
     assert time.monotonic() - started < 120
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_async_fit_resumes_from_a_mid_epoch_checkpoint(tmp_path: Path) -> None:
+    """Resumed mid-epoch, Lightning skips that epoch's ``on_train_epoch_start``, where the async dispatch found its
+    sampler: both workers then waited for each other's batches until the PS timeout and failed naming it. The
+    resumed fit ends its epoch, steps the epoch scheduler alike on both ranks, and each later epoch trains every
+    sample once across the two."""
+    returncode, out = run_script([str(JOB), str(tmp_path), "resume"], tmp_path, timeout=220)
+    assert returncode == 0, out[-4000:]
+    ranks = [json.loads((tmp_path / f"resume-rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["epoch"] == ranks[1]["epoch"] == 4
+    assert ranks[0]["lrs"] == ranks[1]["lrs"] == [0.05 / 4, 0.05 / 8, 0.05 / 16], ranks  # epochs 1 (resumed), 2, 3
+    for epoch in ("2", "3"):
+        together = sorted(ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch])
+        assert together == list(range(640)), epoch

@@ -295,7 +295,7 @@ class IvyPSStrategy(DDPStrategy):
         """Refuse, before any worker starts, a fit this strategy cannot run (``ValueError``)."""
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._refuse_unsupported(trainer)
+        self._refuse_unsupported(trainer, model)
         problems: list[str] = []
         if self.is_async:
             problems += per_step_collective_problems(trainer)
@@ -311,8 +311,9 @@ class IvyPSStrategy(DDPStrategy):
                 )
             )
 
-    def _refuse_unsupported(self, trainer: Any) -> None:
-        """What no mode of the PS can run (ValueError): loss scaling, and a callback that adds param groups."""
+    def _refuse_unsupported(self, trainer: Any, model: Any) -> None:
+        """What no mode of the PS can run (ValueError): loss scaling, a callback that adds param groups, and
+        weight averaging that re-estimates BatchNorm statistics."""
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
                 "IvyPSStrategy does not support loss scaling (precision='16-mixed'); use 'bf16-mixed' or 32"
@@ -326,6 +327,17 @@ class IvyPSStrategy(DDPStrategy):
                 "param group during the fit, and the servers' copy of the optimizer is fixed when the PS starts. "
                 "Put every parameter in the optimizer from the start and freeze the backbone with "
                 "requires_grad_(False) until it should train (a parameter without a gradient is not stepped)"
+            )
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        swa = any(isinstance(c, StochasticWeightAveraging) for c in trainer.callbacks)
+        if swa and model is not None and StochasticWeightAveraging.pl_module_contains_batch_norm(model):
+            raise ValueError(
+                "IvyPSStrategy cannot run StochasticWeightAveraging on a model with BatchNorm layers: it copies the "
+                "average into the model and re-estimates the BatchNorm statistics in an extra epoch, whose step and "
+                "pulls bring the servers' weights back (and whose new statistics tensors the PS no longer reaches). "
+                "Average without BatchNorm, or keep an average yourself (torch.optim.swa_utils.AveragedModel) and "
+                "update its statistics after the fit with torch.optim.swa_utils.update_bn"
             )
 
     # ------------------------------------------------------------------ setup / teardown
@@ -367,7 +379,7 @@ class IvyPSStrategy(DDPStrategy):
             )
         if len(optimizers) > 1 and self.ps_config.overlap_backward:
             raise ValueError("overlap_backward=True pushes every gradient at backward: use it with one optimizer")
-        self._refuse_unsupported(trainer)  # (also where no launcher of ivyplug checked it before spawning)
+        self._refuse_unsupported(trainer, module)  # (also where no launcher of ivyplug checked it before spawning)
         from ivyplug.ps import PSClient
 
         # local updates (AsyncLAMB): the worker steps and pushes deltas itself; the servers run its outer optimizer

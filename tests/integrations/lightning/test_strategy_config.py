@@ -12,10 +12,16 @@ import pytest
 import torch
 from ivyplug.integrations.lightning import IvyPSStrategy
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.plugins import MixedPrecision
 
 from .digits import DigitsMLP
+
+
+class _DigitsWithBatchNorm(DigitsMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(8)
 
 
 @pytest.mark.parametrize(
@@ -86,6 +92,13 @@ def _trainer(mode: str, **kwargs: Any) -> Trainer:
         ("ssp", {"max_steps": 10, "min_steps": 5}, DigitsMLP, "max_steps together with min_steps/min_epochs"),
         # in any mode: it refused these only after both workers had started
         ("sync", {"callbacks": [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]}, DigitsMLP, "BackboneFinetuning"),
+        # the average and the re-estimated statistics were overwritten by the servers' copy in the extra epoch
+        (
+            "async",
+            {"callbacks": [StochasticWeightAveraging(swa_lrs=1e-3)]},
+            _DigitsWithBatchNorm,
+            "cannot run StochasticWeightAveraging on a model with BatchNorm layers",
+        ),
         (
             "async",
             {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]},

@@ -185,6 +185,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         self._step_calls: list[float] = []
         self._rule = "none"
         self._pending: list[tuple[int, float]] = []  # (step, LR factor) not applied yet
+        self._lr_optimizer: Any = None  # the optimizer whose rate the last fit scaled (a recompile brings another)
         self._stream_started = False  # the first epoch's start has set where the stream starts
         self._chunk_begin = 0
         self._hook_s = 0.0  # time spent in this callback's hooks this epoch
@@ -249,9 +250,14 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
     # ----------------------------------------------------------------- hooks
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         optimizer = inner_optimizer(self.model)
-        self._rule = resolve_rule(self.config.lr_scaling, optimizer)
-        if self._adapts():  # else it never changes the learning rate
+        # a balancer that only monitors never changes the learning rate: it needs no rule for this optimizer
+        self._rule = resolve_rule(self.config.lr_scaling, optimizer) if self._adapts() else "none"
+        if self._adapts():
             check_assignable_lr(optimizer, self._rule)
+            if self._lr_optimizer is not None and optimizer is not self._lr_optimizer and self.lr_factor != 1.0:
+                # compiled again with a fresh optimizer: it gets the rate of the batch size this callback reached
+                scale_learning_rate(self.model, self.lr_factor)
+        self._lr_optimizer = optimizer
         if self.dataset is not None:
             if self.dataset.num_replicas != self._replicas():
                 raise ValueError(

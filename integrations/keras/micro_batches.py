@@ -42,6 +42,12 @@ def unsupported_reason(model: Any) -> str | None:
         return f"micro-batch recovery needs the TensorFlow backend, not {keras.backend.backend()!r}"
     if type(model).train_step is not keras.Model.train_step:
         return "the model overrides train_step, so a micro-batched step could not do what its own step does"
+    accumulate = int(getattr(getattr(model, "optimizer", None), "gradient_accumulation_steps", None) or 1)
+    if accumulate > 1:
+        return (
+            f"the optimizer accumulates gradients (gradient_accumulation_steps={accumulate}): a step applies them "
+            "only every few batches, so a micro-batched step could not be made one of those"
+        )
     if int(getattr(model, "steps_per_execution", 1) or 1) != 1:
         return (
             f"steps_per_execution={model.steps_per_execution}: one train_function call then runs several "

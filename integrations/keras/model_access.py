@@ -64,12 +64,18 @@ def batch_multiple(strategy: Any, replicas: int) -> int:
 
 
 def check_assignable_lr(optimizer: Any, rule: str) -> None:
-    """Refuse a ``LearningRateSchedule`` where the LR is to be rescaled: it has no variable to assign."""
-    schedule = keras.optimizers.schedules.LearningRateSchedule
-    if rule != "none" and isinstance(getattr(optimizer, "_learning_rate", None), schedule):
+    """Refuse a ``LearningRateSchedule`` or a callable where the LR is to be rescaled: neither has a variable to
+    assign."""
+    rate = getattr(optimizer, "_learning_rate", None)
+    if rule == "none":
+        return
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or (
+        callable(rate) and not isinstance(rate, keras.Variable)
+    ):
+        kind = "a LearningRateSchedule" if callable(getattr(rate, "get_config", None)) else "a callable learning rate"
         raise ValueError(
             "IvyLoadBalancer rescales the learning rate with optimizer.learning_rate.assign, but this optimizer "
-            "uses a LearningRateSchedule; pass lr_scaling='none' (or use a constant learning rate)"
+            f"uses {kind}; pass lr_scaling='none' (or use a constant learning rate)"
         )
 
 

@@ -99,12 +99,13 @@ class StepGuard:
         self.reason = reason
         self._own_batches = False
         self.count_from(model)
-        if reason is not None and keras_backend() != "tensorflow":
+        if reason is not None:
+            where = f"; on {keras_backend()!r}" if keras_backend() != "tensorflow" else ";"
             self.owner._warn_once(
                 "oom_split",
-                f"IvyLoadBalancer(oom_recovery=True): {reason}; on {keras_backend()!r} an out-of-memory error is "
-                "counted and stops fit as an OutOfMemoryRecoveryError (the batch size, learning rate, probes and "
-                "metrics work as on TensorFlow)",
+                f"IvyLoadBalancer(oom_recovery=True): {reason}{where} an out-of-memory error is counted and stops "
+                "fit as an OutOfMemoryRecoveryError (the batch size, learning rate, probes and metrics work as "
+                "without it)",
             )
         if reason is None and self._micro is None:
             self._micro = MicroBatchStep(model)

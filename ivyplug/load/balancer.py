@@ -58,7 +58,8 @@ def policy_bounds(
     low, high = default_batch_bounds(initial, workers)
     low = config.min_batch_size if config.min_batch_size is not None else low
     high = config.max_batch_size if config.max_batch_size is not None else max(high, low)
-    low, high = (max(workers, round_batch(b, multiple, most)) for b in (low, high))
+    low = max(workers, round_batch(-(-low // multiple) * multiple, multiple, most))  # up: never below the floor
+    high = max(workers, round_batch(high, multiple, most))
     return min(low, high), max(low, high)
 
 

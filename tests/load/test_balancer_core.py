@@ -100,7 +100,9 @@ def test_bounds_default_to_one_sample_per_worker_and_eight_times_the_initial_bat
     assert policy_bounds(BalancerConfig(min_batch_size=3), 16, 4) == (4, 128)
     # replicas of 4 and a data set of 50: multiples of 4, at most 48
     assert policy_bounds(BalancerConfig(), 32, 4, multiple=4, most=50) == (4, 48)
-    assert policy_bounds(BalancerConfig(min_batch_size=5, max_batch_size=100), 32, 4, multiple=4) == (4, 100)
+    # a minimum goes up to a multiple, never below what the user asked for (5 went down to 4); a maximum down
+    assert policy_bounds(BalancerConfig(min_batch_size=5, max_batch_size=100), 32, 4, multiple=4) == (8, 100)
+    assert policy_bounds(BalancerConfig(min_batch_size=7, max_batch_size=33), 16, 1, multiple=2) == (8, 32)
 
 
 def test_round_batch_keeps_a_multiple_within_the_data() -> None:

@@ -433,6 +433,45 @@ def test_monitoring_only_and_learning_rate_schedule(digits: Any) -> None:
         scheduled.fit(data.tf_dataset(), steps_per_epoch=2, callbacks=callbacks, verbose=0, shuffle=False)
 
 
+def test_monitoring_takes_any_optimizer_and_a_callable_rate_is_refused_where_it_would_be_scaled(digits: Any) -> None:
+    """A balancer that only monitors never changes the learning rate, so it needs no rule for the optimizer (it
+    refused RMSprop: "lr_scaling='auto' does not know optimizer 'RMSprop'", where the Lightning twin trained). A
+    callable rate (``learning_rate=lambda: ...``) has no variable to assign: it crashed at the first batch-size
+    change with "'float' object has no attribute 'assign'"; it is refused at fit start, as a schedule is."""
+    x, y = digits
+    model = _model(keras.optimizers.RMSprop(0.01))
+    with pytest.warns(RuntimeWarning, match="monitors load"):
+        history = model.fit(x, y, batch_size=64, epochs=1, callbacks=[_balancer(None, [IDLE])], verbose=0)
+    assert history.history["ivy/utilization"] == [10.0]
+    data = ElasticDataset(x, y, batch_size=32)
+    frozen = _balancer(data, [IDLE], adapt_batch_size=False)
+    model.fit(data.tf_dataset(), steps_per_epoch=2, callbacks=[frozen], verbose=0, shuffle=False)
+    with pytest.raises(ValueError, match="uses a callable learning rate; pass lr_scaling='none'"):
+        _model(keras.optimizers.SGD(learning_rate=lambda: 0.05)).fit(
+            data.tf_dataset(), steps_per_epoch=2, callbacks=[_balancer(data, [IDLE])], verbose=0, shuffle=False
+        )
+
+
+def test_a_fit_after_compiling_a_fresh_optimizer_gets_the_rate_of_the_reached_batch_size(digits: Any) -> None:
+    """The same balancer's next fit starts at the batch size the last one reached; compiled again with a fresh
+    optimizer, that optimizer's rate was the unscaled one (0.05 at B=32, ``ivy/lr_factor`` saying 2). It gets the
+    reached batch size's rate, as the same optimizer kept it, and as the Lightning twin's next fit has it."""
+    x, y = digits
+    data = ElasticDataset(x, y, batch_size=16, seed=2, lag=2)
+    model = _model(keras.optimizers.SGD(0.05))
+    balancer = _balancer(data, [IDLE, BUSY], max_batch_size=32)
+    fit = {"steps_per_epoch": data.steps_per_epoch, "verbose": 0, "shuffle": False}
+    model.fit(data.tf_dataset(), epochs=2, callbacks=[balancer], **fit)  # B=32 from epoch 1 on, at lr 0.1
+    assert float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)) == pytest.approx(0.1)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=model.loss, metrics=[SeenBatch()])
+    spy = Spy()
+    history = model.fit(data.tf_dataset(), epochs=1, callbacks=[balancer, spy], **fit)
+    assert history.history["ivy/batch_size"] == [32.0] and history.history["ivy/lr_factor"] == pytest.approx([2.0])
+    assert spy.steps and all(batch == 32 for _, batch in spy.steps)
+    for lr, _ in spy.steps:
+        assert lr == pytest.approx(0.1, rel=1e-6)
+
+
 def test_from_config_dict_and_registry() -> None:
     from ivyplug import get_registry
 

@@ -230,3 +230,18 @@ def test_unsplittable_steps_refuse_with_the_reason() -> None:
         model.fit(data.tf_dataset(), callbacks=[balancer, ArmAndRecord(0)], **fit)
     with pytest.raises(ValueError, match="oom_max_parts must be an int >= 1"):
         IvyLoadBalancer(data, oom_max_parts=0)
+
+
+def test_an_optimizer_that_accumulates_gradients_is_refused_a_split_and_warned_at_fit_start() -> None:
+    """Keras's ``gradient_accumulation_steps`` applies gradients every few batches (its ``iterations`` is then
+    computed, not a variable): a split step failed with "EagerTensor has no attribute 'assign'". The OOM now ends
+    the fit with the reason, announced at fit start."""
+    x, y = _data(2)
+    data = ElasticDataset(x, y, batch_size=32, seed=0, lag=1)
+    model = _model(threshold=8)
+    model.compile(optimizer=keras.optimizers.SGD(LR, gradient_accumulation_steps=2), loss="mse")
+    fit = {"steps_per_epoch": 4, "epochs": 1, "verbose": 0, "shuffle": False}
+    warned = pytest.warns(RuntimeWarning, match=r"gradient_accumulation_steps=2.*stops fit as an OutOfMemoryRecovery")
+    refused = pytest.raises(OutOfMemoryRecoveryError, match=r"cannot split this step.*gradient_accumulation_steps=2")
+    with warned, refused:
+        model.fit(data.tf_dataset(), callbacks=[_balancer(data), ArmAndRecord(1)], **fit)

@@ -77,4 +77,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     print(service.describe(), flush=True)
     run_forever(service, stop)
-    return 0
+    code = 1 if service.snapshot_error is not None else 0
+    if service.members():
+        # workers still connected: their threads wait inside gloo's receives, which the interpreter's teardown
+        # would abort (SIGABRT); everything is said and saved, so end here
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -145,3 +145,79 @@ def test_ctrl_c_while_a_join_waits_ends_with_one_line_and_exit_130() -> None:
             proc.wait()
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "ivyplug serve: interrupted" and "Traceback" not in err, err
+
+
+def test_sigterm_with_a_worker_connected_stops_cleanly_with_exit_0(tmp_path: Any) -> None:
+    """Stopped while a worker trains, the serve wrote its snapshot and "stopped", then aborted in the interpreter's
+    teardown ("terminate called without an active exception", exit 134): its member threads sat in gloo's
+    receives. It ends with exit code 0, as the command's help promises."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    worker_script = Path(__file__).resolve().parents[1] / "ps" / "service_worker.py"
+    argv = ["serve", "--shards", "1", "--port", "0", "--state-dir", str(tmp_path / "state"), "--timeout", "20"]
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "ivyplug", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    worker = None
+    try:
+        assert serve.stdout is not None
+        first = serve.stdout.readline()
+        address = re.search(r"listening on (\S+) ", first)
+        assert address is not None, first
+        worker = subprocess.Popen(
+            [sys.executable, str(worker_script), address.group(1), str(tmp_path / "w.json"), "--steps", "2000",
+             "--sleep", "0.01", "--timeout", "20"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        joined = serve.stdout.readline()
+        assert "joined" in joined, joined
+        time.sleep(1.0)  # training
+        assert worker.poll() is None
+        os.killpg(serve.pid, signal.SIGTERM)
+        _, err = serve.communicate(timeout=30)
+    finally:
+        for proc in (serve, worker):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert serve.returncode == 0, err
+    assert "ivyplug serve: stopped (snapshot in" in err and "terminate called" not in err, err
+
+
+def test_a_state_dir_whose_snapshot_does_not_fit_is_refused_by_name(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], served: list[Any]
+) -> None:
+    """A file that is no snapshot ended in "truncated PS state" without its name, or a KeyError traceback; a
+    snapshot of a job of another number of worker slots was resumed with the snapshot's, whatever ``--workers``
+    said (a second worker was then refused "start with a larger --workers"). Both are refused, naming the file."""
+    from ivyplug.ps.server.service import JOB_FILE
+    from ivyplug.ps.wire import typed_state
+
+    state = tmp_path / "state"
+    state.mkdir()
+    argv = ["serve", "--shards", "1", "--port", "0", "--state-dir", str(state)]
+    for blob in (b"", b"\x00" * 7, typed_state.encode({"num_shards": 1})):
+        (state / JOB_FILE).write_bytes(blob)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{state / JOB_FILE} is not a snapshot of ivyplug serve" in err and "Traceback" not in err, err
+    saved = {"job": {}, "num_workers": 1, "num_shards": 1, "first": 0, "shards": []}
+    (state / JOB_FILE).write_bytes(typed_state.encode(saved))
+    assert main([*argv, "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a job of 1 worker slots; start ivyplug serve with --workers 1" in err, err
+    assert served == []
+
+
+def test_a_small_timeout_never_drops_a_member_between_two_heartbeats() -> None:
+    """Workers beat once a second (at most); ``--timeout 1`` dropped healthy ones after 0.75 s of silence."""
+    from ivyplug.ps.server.service import silence_bound
+
+    assert silence_bound(1.0) == silence_bound(0.1) == 2.5
+    assert silence_bound(120.0) == 115.0 and silence_bound(8.0) == 6.0

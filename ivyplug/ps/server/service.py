@@ -58,11 +58,16 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 JOB_FILE = "job.ivys"
 
 
+#: never drop a member for less silence than this: a worker beats every second at most (its own timeout / 10 below
+#: 10 s), so a serve with a timeout of a second or two would drop healthy workers between two beats
+MIN_SILENCE = 2.5
+
+
 def silence_bound(timeout: float) -> float:
     """Seconds without a heartbeat after which a service with ``timeout`` drops a member: a few seconds less
     than ``timeout``, so that a worker waiting on the silent one (a collective, the batch queue, a sync step)
     hears of it before its own wait of ``timeout`` ends."""
-    return timeout - min(5.0, timeout / 4)
+    return max(timeout - min(5.0, timeout / 4), MIN_SILENCE)
 
 
 @dataclass
@@ -152,6 +157,7 @@ class PSService:
         self.host = host
         self.token = token or None
         self.num_workers = num_workers
+        self.snapshot_error: str | None = None  # why the last snapshot, at close, could not be written
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.snapshot_every = snapshot_every
         self.timeout = timeout
@@ -634,7 +640,19 @@ class PSService:
         path = self.state_dir / JOB_FILE
         if not path.exists():
             return None
-        saved = typed_state.decode(path.read_bytes())
+        try:
+            saved = typed_state.decode(path.read_bytes())
+            if not isinstance(saved, dict) or not {"job", "num_workers", "num_shards", "first", "shards"} <= set(saved):
+                raise ValueError("it lacks a snapshot's entries")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"{path} is not a snapshot of ivyplug serve ({exc}); move it away or start with another --state-dir"
+            ) from None
+        if self.num_workers and int(saved["num_workers"]) != self.num_workers:
+            raise ValueError(
+                f"{path} holds a job of {int(saved['num_workers'])} worker slots; start ivyplug serve with --workers "
+                f"{int(saved['num_workers'])} (or 0: the snapshot's), or another --state-dir"
+            )
         if saved["num_shards"] != self.num_shards:
             raise ValueError(
                 f"{path} holds {saved['num_shards']} shards; start ivyplug serve with --shards {saved['num_shards']} "
@@ -684,6 +702,10 @@ class PSService:
         self.closed.set()
         try:
             return self.snapshot()
+        except OSError as exc:  # the state directory went away, a full disk: said, not a traceback
+            self.snapshot_error = f"{type(exc).__name__}: {exc}"
+            self.log(f"ivyplug serve: the last snapshot failed: {self.snapshot_error}")
+            return None
         finally:
             for t in self._threads:
                 t.join(2.0)

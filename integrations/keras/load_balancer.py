@@ -253,7 +253,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         # a balancer that only monitors never changes the learning rate: it needs no rule for this optimizer
         self._rule = resolve_rule(self.config.lr_scaling, optimizer) if self._adapts() else "none"
         if self._adapts():
-            check_assignable_lr(optimizer, self._rule)
+            check_assignable_lr(optimizer, self._rule != "none")
             if self._lr_optimizer is not None and optimizer is not self._lr_optimizer and self.lr_factor != 1.0:
                 # compiled again with a fresh optimizer: it gets the rate of the batch size this callback reached
                 scale_learning_rate(self.model, self.lr_factor)
@@ -268,7 +268,7 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
             # trains at the batch size the last one scheduled (the dataset keeps it until the stream has started)
             self.dataset.owed_lr_factor *= math.prod(f for _, f in self._pending)
             if self.dataset.owed_lr_factor != 1.0:
-                check_assignable_lr(optimizer, self._rule)  # the inherited batch size's rate is assigned too
+                check_assignable_lr(optimizer)  # the inherited batch size's rate is assigned, whatever this one does
         self.step = 0
         self._pending = []
         self.restored = None
@@ -295,7 +295,8 @@ class IvyLoadBalancer(CoreState, keras.callbacks.Callback):
         if restored is not None:  # the schedule as it stood when the backup was taken, whatever this process held
             pending = [(int(ahead), float(f)) for ahead, f in restored.pending]
             if pending:
-                check_assignable_lr(inner_optimizer(self.model), self._rule)  # checked before anything changes
+                scales = any(f != 1.0 for _, f in pending)
+                check_assignable_lr(inner_optimizer(self.model), scales)  # checked before anything changes
             self.core.load_state_dict(restored.core)
             self.dataset.restart(restored.batch_now, start_position=restored.position)
             for ahead, size in restored.scheduled:  # changes decided but not reached: at the same steps

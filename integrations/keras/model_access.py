@@ -63,11 +63,11 @@ def batch_multiple(strategy: Any, replicas: int) -> int:
     return int(mesh.shape[list(mesh.axis_names).index(axis)])
 
 
-def check_assignable_lr(optimizer: Any, rule: str) -> None:
-    """Refuse a ``LearningRateSchedule`` or a callable where the LR is to be rescaled: neither has a variable to
-    assign."""
+def check_assignable_lr(optimizer: Any, scales: bool = True) -> None:
+    """Refuse a ``LearningRateSchedule`` or a callable where the LR is to be rescaled (``scales``): neither has a
+    variable to assign."""
     rate = getattr(optimizer, "_learning_rate", None)
-    if rule == "none":
+    if not scales:
         return
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or (
         callable(rate) and not isinstance(rate, keras.Variable)

@@ -69,10 +69,9 @@ def check_assignable_lr(optimizer: Any, scales: bool = True) -> None:
     rate = getattr(optimizer, "_learning_rate", None)
     if not scales:
         return
-    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or (
-        callable(rate) and not isinstance(rate, keras.Variable)
-    ):
-        kind = "a LearningRateSchedule" if callable(getattr(rate, "get_config", None)) else "a callable learning rate"
+    schedule = isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+    if schedule or (callable(rate) and not isinstance(rate, keras.Variable)):
+        kind = "a LearningRateSchedule" if schedule else "a callable learning rate"
         raise ValueError(
             "IvyLoadBalancer rescales the learning rate with optimizer.learning_rate.assign, but this optimizer "
             f"uses {kind}; pass lr_scaling='none' (or use a constant learning rate)"

@@ -227,7 +227,8 @@ class IvyLoadBalancer(CoreState, Callback):
         if adapt and current is not None and initial is not None and current != initial:
             # a later fit starts at the B the last one reached, with fresh optimizers: give them that B's LR, as the
             # Keras twin's next fit has it (a resumed fit's optimizer state, restored after this, brings it too)
-            self.lr_factor = rescale_lr(trainer.optimizers, trainer.lr_scheduler_configs, self._rules, initial, current)
+            self.lr_factor = 1.0  # these optimizers are at the rate the first fit started from
+            self._rescale_lr(trainer, initial, current)
         model = trainer.strategy.model
         ddp = isinstance(model, DistributedDataParallel) and (self._world > 1 or self._user_hook is not None)
         if ddp:  # two squared norms per bucket and step: paid only where the goodput rule uses them

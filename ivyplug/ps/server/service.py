@@ -66,7 +66,7 @@ MIN_SILENCE = 2.5
 def silence_bound(timeout: float) -> float:
     """Seconds without a heartbeat after which a service with ``timeout`` drops a member: a few seconds less
     than ``timeout``, so that a worker waiting on the silent one (a collective, the batch queue, a sync step)
-    hears of it before its own wait of ``timeout`` ends."""
+    hears of it before its own wait of ``timeout`` ends; never less than :data:`MIN_SILENCE`."""
     return max(timeout - min(5.0, timeout / 4), MIN_SILENCE)
 
 
